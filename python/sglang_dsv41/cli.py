@@ -1,0 +1,209 @@
+"""``sglang-dsv41``: doctor, fingerprint, patches-doc, plan."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from pathlib import Path
+
+from sglang_dsv41 import checks
+from sglang_dsv41 import fingerprint as fp
+from sglang_dsv41._pin import (
+    DISTRIBUTION_NAME,
+    ENTRY_POINT_GROUP,
+    ENTRY_POINT_NAME,
+    PINNED_SGLANG_VERSION,
+)
+from sglang_dsv41.patch_table import PATCHES
+
+OK, BAD, WARN = "ok  ", "FAIL", "warn"
+
+
+def _line(verdict: str, text: str) -> None:
+    print(f"[{verdict}] {text}")
+
+
+def _entry_point_findings() -> list[tuple[str, str]]:
+    from importlib.metadata import entry_points
+
+    findings = []
+    eps = list(entry_points(group=ENTRY_POINT_GROUP))
+    ours = [ep for ep in eps if ep.name == ENTRY_POINT_NAME]
+    mine = [ep for ep in ours if ep.dist and ep.dist.name == DISTRIBUTION_NAME]
+    if not mine:
+        findings.append((BAD, f"entry point {ENTRY_POINT_NAME!r} of {DISTRIBUTION_NAME} is not "
+                              f"discoverable in group {ENTRY_POINT_GROUP}; reinstall the package"))
+    else:
+        findings.append((OK, f"entry point {ENTRY_POINT_NAME} = {mine[0].value} is discoverable"))
+    others = [ep for ep in ours if not (ep.dist and ep.dist.name == DISTRIBUTION_NAME)]
+    if others:
+        findings.append((BAD, f"another distribution also names an entry point {ENTRY_POINT_NAME!r} "
+                              f"({others[0].dist.name if others[0].dist else '?'}); sglang keeps only one"))
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed:
+        names = {x.strip() for x in allowed.split(",") if x.strip()}
+        if ENTRY_POINT_NAME not in names:
+            findings.append((BAD, f"SGLANG_PLUGINS={allowed!r} filters out {ENTRY_POINT_NAME}; "
+                                  "the server would run stock sglang"))
+        else:
+            findings.append((OK, f"SGLANG_PLUGINS={allowed!r} includes {ENTRY_POINT_NAME}"))
+    selected = os.environ.get("SGLANG_PLATFORM", "")
+    if selected:
+        platform_eps = entry_points(group="sglang.srt.platforms")
+        excluded = {ep.dist.name for ep in platform_eps if ep.dist and ep.name != selected}
+        if DISTRIBUTION_NAME in excluded:
+            findings.append((BAD, f"SGLANG_PLATFORM={selected!r} excludes {DISTRIBUTION_NAME}"))
+        else:
+            findings.append((OK, f"SGLANG_PLATFORM={selected!r} does not exclude {DISTRIBUTION_NAME}"))
+    return findings
+
+
+def _foreign_hook_findings() -> list[tuple[str, str]]:
+    """Run the other general plugins, as sglang would, and look for shared targets."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, _current_plugin_source
+
+    findings = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.dist and ep.dist.name == DISTRIBUTION_NAME:
+            continue
+        token = _current_plugin_source.set(
+            HookSource(plugin_name=ep.name, dist_name=ep.dist.name if ep.dist else None)
+        )
+        try:
+            ep.load()()
+        except BaseException as exc:  # a foreign plugin failing is a finding, not a crash
+            findings.append((WARN, f"other plugin {ep.name} failed to load here: {exc!r}"))
+        finally:
+            _current_plugin_source.reset(token)
+    ours = {p.target for p in PATCHES}
+    for target, hooks in HookRegistry._hooks.items():
+        if target not in ours:
+            continue
+        for _kind, _hook, src in hooks:
+            if src is None or src.dist_name != DISTRIBUTION_NAME:
+                name = f"{src.plugin_name} ({src.dist_name})" if src else "unknown source"
+                findings.append((BAD, f"{name} also hooks {target}"))
+    our_steps = {p.resolution_step for p in PATCHES if p.kind.value == "resolution"}
+    for step in our_steps:
+        if len(resolution_hooks._HOOKS.get(step, ())) > 0:
+            findings.append((BAD, f"another plugin wraps resolution step {step}"))
+    if not findings:
+        findings.append((OK, "no other installed plugin hooks a target of ours"))
+    return findings
+
+
+def doctor(_args) -> int:
+    failed = False
+    found = fp.installed_version("sglang")
+    pin = checks.version_problem()
+    if pin:
+        _line(BAD, str(pin))
+        failed = True
+    else:
+        _line(OK, f"sglang {found} matches the pin sglang=={PINNED_SGLANG_VERSION}")
+    for patch in PATCHES:
+        problems = checks.patch_problems(patch)
+        if problems:
+            failed = True
+            _line(BAD, f"{patch.id:<14} {patch.target}: " + "; ".join(p.message for p in problems))
+        else:
+            _line(OK, f"{patch.id:<14} {patch.kind.value:<13} {patch.target} fingerprint {patch.ast_sha}")
+    for verdict, text in _entry_point_findings() + _foreign_hook_findings():
+        failed |= verdict == BAD
+        _line(verdict, text)
+    print("doctor: " + ("PROBLEMS FOUND" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+def _rewrite_fingerprints(table_path: Path, only: set[str] | None = None) -> int:
+    """Rewrite signature/ast_sha literals of every entry from the installed sources."""
+    text = table_path.read_text()
+    tree = ast.parse(text)
+    offsets = [0]
+    for line in text.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line))
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Patch"):
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        patch = next(p for p in PATCHES if p.id == kw["id"].value)
+        if only and patch.id not in only:
+            continue
+        got = fp.fingerprint(patch.fingerprint_target)
+        for field, value in (("signature", got.signature), ("ast_sha", got.ast_sha)):
+            v = kw[field]
+            start = offsets[v.lineno - 1] + v.col_offset
+            end = offsets[v.end_lineno - 1] + v.end_col_offset
+            edits.append((start, end, repr(value).replace("'", '"') if '"' not in value else repr(value)))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    table_path.write_text(text)
+    return len(edits) // 2
+
+
+def fingerprint_cmd(args) -> int:
+    if args.update:
+        import sglang_dsv41.patch_table as table
+
+        n = _rewrite_fingerprints(Path(table.__file__), set(args.ids) or None)
+        print(f"rewrote fingerprints of {n} patches in {table.__file__}")
+        return 0
+    drift = 0
+    for patch in PATCHES:
+        try:
+            got = fp.fingerprint(patch.fingerprint_target)
+        except fp.TargetNotFound as exc:
+            print(f"{patch.id}: MISSING {exc}")
+            drift += 1
+            continue
+        same = got.signature == patch.signature and got.ast_sha == patch.ast_sha
+        drift += not same
+        print(f"{patch.id}: {'same' if same else 'DRIFT'} {patch.fingerprint_target} "
+              f"{got.ast_sha} {got.signature}")
+    return 1 if drift else 0
+
+
+def patches_doc_cmd(args) -> int:
+    from sglang_dsv41.patches_doc import render
+
+    text = render()
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def plan_cmd(args) -> int:
+    from sglang_dsv41.deploy_plan import main as plan_main
+
+    return plan_main(args.compose_files)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="sglang-dsv41")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("doctor", help="check the install: pin, fingerprints, entry point, conflicts")
+    f = sub.add_parser("fingerprint", help="compare (or --update) the table's upstream fingerprints")
+    f.add_argument("--update", action="store_true",
+                   help="rewrite the literals in patch_table.py (all, or only the given ids)")
+    f.add_argument("ids", nargs="*", metavar="PATCH_ID")
+    d = sub.add_parser("patches-doc", help="render docs/PATCHES.md from the patch table")
+    d.add_argument("--write", metavar="PATH")
+    pl = sub.add_parser("plan", help="check docker compose topologies offline")
+    pl.add_argument("compose_files", nargs="+")
+    args = parser.parse_args(argv)
+    handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
+               "patches-doc": patches_doc_cmd, "plan": plan_cmd}[args.cmd]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Plain logic with no dependency on sglang internals; hooks adapt sglang call sites to it."""

@@ -1,0 +1,84 @@
+"""The shape of one patch-table entry. Plain data: importing this never imports sglang."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class HookKind(str, enum.Enum):
+    # sglang HookRegistry kinds
+    BEFORE = "before"
+    AFTER = "after"
+    AROUND = "around"
+    REPLACE = "replace"
+    # register_resolution_hook(step): wraps one named server-args resolution step
+    RESOLUTION = "resolution"
+    # setattr of a name upstream does not define; refused if upstream defines it
+    NEW_ATTRIBUTE = "new_attribute"
+
+    @property
+    def uses_hook_registry(self) -> bool:
+        return self in (HookKind.BEFORE, HookKind.AFTER, HookKind.AROUND, HookKind.REPLACE)
+
+
+class Role(str, enum.Enum):
+    """sglang process roles. Each patch names the roles that must run it."""
+
+    LAUNCHER = "launcher"  # `sglang serve` / Engine process (args resolution, TokenizerManager)
+    SCHEDULER = "scheduler"  # one per TP/PP/CP rank: model, runners, Mooncake KV manager
+    TOKENIZER_WORKER = "tokenizer_worker"  # multi-tokenizer HTTP worker processes
+    DETOKENIZER = "detokenizer"
+    DP_CONTROLLER = "dp_controller"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to sglang. The table in ``patch_table`` is the only list of these.
+
+    ``target`` is the dotted upstream path. For RESOLUTION it is the resolution
+    step function (fingerprinted like any other function); for NEW_ATTRIBUTE it
+    is ``<owner class path>.<new name>`` and the fingerprint is taken from the
+    owner class, so an upstream change to the class is noticed.
+    ``hook`` is ``module:callable`` inside this package, imported lazily.
+    """
+
+    id: str
+    group: str
+    target: str
+    kind: HookKind
+    hook: str
+    roles: frozenset[Role]
+    reason: str
+    source: str
+    signature: str
+    ast_sha: str
+
+    @property
+    def owner_path(self) -> str:
+        return self.target.rsplit(".", 1)[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.target.rsplit(".", 1)[1]
+
+    @property
+    def fingerprint_target(self) -> str:
+        """The upstream object whose source the fingerprint covers."""
+        if self.kind is HookKind.NEW_ATTRIBUTE:
+            return self.owner_path
+        return self.target
+
+    @property
+    def resolution_step(self) -> str:
+        return self.attribute
+
+    def hook_module(self) -> str:
+        return self.hook.split(":", 1)[0]
+
+    def hook_name(self) -> str:
+        return self.hook.split(":", 1)[1]
+
+
+def roles(*names: Role) -> frozenset[Role]:
+    return frozenset(names)

@@ -1,0 +1,36 @@
+"""`sglang-dsv41 doctor` as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sglang_dsv41.patch_table import PATCHES
+
+DOCTOR = [str(Path(sys.executable).parent / "sglang-dsv41"), "doctor"]
+
+
+def _run(extra_env=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "SGLANG_PLATFORM")}
+    env.update(extra_env or {})
+    return subprocess.run(DOCTOR, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_passes_on_this_install_with_one_line_per_patch():
+    proc = _run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "sglang 0.5.23 matches the pin" in lines[0]
+    for p in PATCHES:
+        assert sum(p.id in l and l.startswith("[ok  ]") for l in lines) == 1, p.id
+    assert "entry point dsv41" in proc.stdout
+    assert lines[-1] == "doctor: all checks passed"
+
+
+def test_doctor_fails_when_sglang_plugins_filters_us_out():
+    proc = _run({"SGLANG_PLUGINS": "another_plugin"})
+    assert proc.returncode == 1
+    assert "filters out dsv41" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "doctor: PROBLEMS FOUND"
