@@ -96,6 +96,11 @@ PATCHES: tuple[Patch, ...] = (
         signature="(server_args: ServerArgs)",
         ast_sha="4194690793d556cd",
     ),
+    # === vision-cp runtime (issue 5) entries above this line ===
+    # === owner-broadcast (issue 3) entries above this line ===
+    # === mooncake-nvlink (issue 4) entries above this line ===
+    # === pd-handshake (issue 6) entries above this line ===
+    # === embed-overrides (issue 5) entries above this line ===
 )
 
 
