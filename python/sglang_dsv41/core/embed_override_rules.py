@@ -1,0 +1,142 @@
+"""Token-embedding overrides must never meet multimodal placeholder rows.
+
+Why: a request with embedding overrides is embedded by looking its raw
+``input_ids`` up in the base embedding table and then scattering the override
+vectors over chosen positions. In a multimodal request the image, video and
+audio positions hold placeholder ids derived from a content hash (far above the
+vocabulary), so the same lookup over a batch that also carries such rows
+indexes outside the table: a device assert, or silently wrong embeddings when
+the lookup masks out-of-range ids. Three guards keep them apart:
+
+1. request admission refuses a request that asks for both;
+2. the scheduler never puts an override request and a multimodal request into
+   one extend batch, and stops admission at the first request that cannot join
+   (first come, first served), so the override request is admitted as soon as
+   the multimodal rows ahead of it have drained;
+3. the model runner checks the assembled batch right before the lookup.
+
+Plain logic only: no sglang imports, so every rule is unit-testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+ADMISSION_ERROR = (
+    "embedding overrides cannot be combined with image, video, or audio inputs: "
+    "the base embedding lookup for overrides cannot index multimodal placeholder "
+    "tokens; send the multimodal input and the overrides as separate requests"
+)
+
+BATCH_ERROR = (
+    "token embedding overrides cannot share an extend batch with multimodal "
+    "placeholder rows (batch row {row}): the base embedding lookup would index "
+    "placeholder hash ids outside the vocabulary"
+)
+
+SELF_CONFLICT_ERROR = (
+    "request {rid} carries both embedding overrides and multimodal inputs; "
+    "this combination is not supported and the request is aborted"
+)
+
+
+def has_embed_overrides(
+    positional_embed_overrides: object,
+    *,
+    embed_overrides: object = None,
+    embed_override_token_id: Optional[int] = None,
+    unresolved_form: bool = False,
+) -> bool:
+    """Does the request carry token-embedding overrides?
+
+    ``unresolved_form`` is True for embedding requests, whose
+    ``embed_overrides`` + ``embed_override_token_id`` pair is turned into
+    positional overrides only after request validation; sglang resolves the
+    pair only when both halves are set, so only then does it count.
+    """
+    if positional_embed_overrides is not None:
+        return True
+    return bool(
+        unresolved_form
+        and embed_overrides is not None
+        and embed_override_token_id is not None
+    )
+
+
+def check_request_admission(*, has_overrides: bool, has_multimodal_input: bool) -> None:
+    """Raise ValueError for a request that asks for overrides and media together."""
+    if has_overrides and has_multimodal_input:
+        raise ValueError(ADMISSION_ERROR)
+
+
+@dataclass(frozen=True)
+class RowKind:
+    """What the scheduler needs to know about one request in an extend batch."""
+
+    has_overrides: bool
+    has_multimodal: bool
+
+    @property
+    def self_conflicting(self) -> bool:
+        return self.has_overrides and self.has_multimodal
+
+
+def can_share_extend_batch(candidate: RowKind, admitted: Iterable[RowKind]) -> bool:
+    """May ``candidate`` join an extend batch that already holds ``admitted``?
+
+    Conservative on purpose: a multimodal request counts as having placeholder
+    rows for every chunk, even a chunk past its media. Decode rows mixed into
+    an extend step are not part of ``admitted``; the model-runner check covers
+    them exactly.
+    """
+    if candidate.has_overrides:
+        return not any(row.has_multimodal for row in admitted)
+    if candidate.has_multimodal:
+        return not any(row.has_overrides for row in admitted)
+    return True
+
+
+@dataclass(frozen=True)
+class ExtendRowMedia:
+    """One row of an assembled extend batch, as far as placeholders go.
+
+    ``spans`` are the row's placeholder spans as inclusive ``(start, end)``
+    positions in the request's full token sequence. ``None`` means the row has
+    media whose placement is not recorded; the caller then has to look at the
+    token ids themselves.
+    """
+
+    prefix_len: int
+    extend_len: int
+    spans: Optional[tuple[tuple[int, int], ...]]
+
+
+def chunk_touches_span(prefix_len: int, extend_len: int, start: int, end: int) -> bool:
+    """Does the chunk ``[prefix_len, prefix_len + extend_len)`` hold any of ``[start, end]``?"""
+    if extend_len <= 0:
+        return False
+    return start < prefix_len + extend_len and end >= prefix_len
+
+
+def rows_needing_id_scan(rows: Sequence[Optional[ExtendRowMedia]]) -> list[int]:
+    """Check every row with known spans; return the rows that must be scanned.
+
+    Raises ValueError naming the first row whose chunk covers a placeholder
+    span. Rows that are ``None`` (no media) are skipped.
+    """
+    unknown = []
+    for index, row in enumerate(rows):
+        if row is None:
+            continue
+        if row.spans is None:
+            unknown.append(index)
+            continue
+        for start, end in row.spans:
+            if chunk_touches_span(row.prefix_len, row.extend_len, start, end):
+                raise ValueError(BATCH_ERROR.format(row=index))
+    return unknown
+
+
+def batch_error(row: Optional[int]) -> ValueError:
+    return ValueError(BATCH_ERROR.format(row="unknown" if row is None else row))
