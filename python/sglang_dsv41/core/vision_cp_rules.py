@@ -24,6 +24,7 @@ V41_MODEL_TYPE = "deepseek_v41"
 class VisionCPArgs:
     model_type: str
     vision_layers: int
+    language_model_only: bool
     enable_prefill_cp: bool
     cp_strategy: str | None
     prefill_graph_enabled: bool
@@ -49,14 +50,15 @@ def check_vision_prefill_cp(args: VisionCPArgs) -> VisionCPVerdict:
             "parallelism yet (--enable-prefill-cp was given)"
         )
 
-    if not (args.enable_prefill_cp and args.vision_layers > 0):
+    # --language-model-only never builds the vision tower: text rules only.
+    vision_on = args.vision_layers > 0 and not args.language_model_only
+    if not (args.enable_prefill_cp and vision_on):
         return VisionCPVerdict()
 
     if args.cp_strategy != "interleave":
         raise ValueError(
             "DeepSeek-V4.1 vision with prefill CP requires --cp-strategy interleave; "
-            f"got {args.cp_strategy!r}. Use interleave, or serve text only with "
-            "--language-model-only."
+            f"got {args.cp_strategy!r}."
         )
     is_dspark = str(args.speculative_algorithm or "").upper() == "DSPARK"
     if is_dspark and args.decoder_swa_bounded_replay:

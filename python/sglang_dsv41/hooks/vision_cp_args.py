@@ -26,6 +26,7 @@ def before_validate_v41_features(server_args):
         VisionCPArgs(
             model_type=getattr(hf_config, "model_type", ""),
             vision_layers=int(getattr(hf_config, "vision_n_layers", 0) or 0),
+            language_model_only=bool(cfg.language_model_only),
             enable_prefill_cp=bool(cfg.enable_prefill_cp),
             cp_strategy=cfg.cp_strategy,
             prefill_graph_enabled=prefill_backend != Backend.DISABLED,
