@@ -96,9 +96,124 @@ PATCHES: tuple[Patch, ...] = (
         signature="(server_args: ServerArgs)",
         ast_sha="4194690793d556cd",
     ),
+    Patch(
+        id="VCP-BUILD",
+        group="vision-cp",
+        target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.__init__",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.vision_cp_runtime:around_deepseek_v4_init",
+        roles=roles(Role.SCHEDULER),
+        reason="Upstream refuses to build the V4.1 vision tower when attention CP > 1. With "
+        "vision and CP, the constructor runs with its module-level get_parallel reading one "
+        "CP rank until the vision tower class is called (so its PP and MoE A2A checks stay), "
+        "then CUDA + interleave is required (NPU, zigzag refused) and the tower sees the real "
+        "CP. An AROUND instead of a REPLACE of the 99-line constructor; the fingerprint pins "
+        "the statement order it relies on.",
+        source="seed models/deepseek_v4.py (DeepseekV4ForCausalLM.__init__ vision guard); "
+        "UPSTREAM-0.5.23 row B4 option (b)",
+        signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str="")",
+        ast_sha="1f322574a840203c",
+    ),
+    Patch(
+        id="VCP-PREPARE",
+        group="vision-cp",
+        target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.prepare_model_inputs",
+        kind=HookKind.NEW_ATTRIBUTE,
+        hook="sglang_dsv41.hooks.vision_cp_runtime:prepare_model_inputs",
+        roles=roles(Role.SCHEDULER),
+        reason="The name the eager CP runner (VCP-RUNNER) calls to prepare model inputs on the "
+        "full extend layout; delegates to upstream prepare_language_model_inputs (image merge, "
+        "placeholder-hash remap), so hooks on that method also cover the CP path.",
+        source="seed models/deepseek_v4.py (prepare_model_inputs); UPSTREAM-0.5.23 row B6",
+        signature="class DeepseekV4ForCausalLM(nn.Module)",
+        ast_sha="5485385d04d4a650",
+    ),
+    Patch(
+        id="VCP-RUNNER",
+        group="vision-cp",
+        target="sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend_cp",
+        kind=HookKind.REPLACE,
+        hook="sglang_dsv41.hooks.vision_cp_runtime:execute_extend_cp",
+        roles=roles(Role.SCHEDULER),
+        reason="Upstream shards forward_batch.input_ids (image placeholder hashes) and embeds "
+        "them before any image merge. The replacement prepares inputs on the full layout first "
+        "and feeds the normalized ids to the embedding, shard, MoE routing ids and logits, "
+        "without writing the scheduler's ids. REPLACE of the 75-line method: an AROUND could "
+        "only swap forward_batch.input_ids for the whole forward, exposing normalized ids "
+        "where the body and tests expect the scheduler's.",
+        source="seed model_executor/runner/eager_runner.py; UPSTREAM-0.5.23 row B5",
+        signature="(self, forward_batch: ForwardBatch, kwargs: dict)",
+        ast_sha="07f87b7e9b6875da",
+    ),
     # === vision-cp runtime (issue 5) entries above this line ===
     # === owner-broadcast (issue 3) entries above this line ===
+    # --- mooncake-nvlink: keep intra-node NVLink for device memory, host blocks beside it
+    Patch(
+        id="MC-NVL-REGIONS",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._registerable_regions",
+        kind=HookKind.AFTER,
+        hook="sglang_dsv41.hooks.mooncake_nvlink:after_registerable_regions",
+        roles=roles(Role.SCHEDULER),
+        reason="Under Mooncake's intra-node NVLink transport one host region fails the whole "
+        "batch registration and every later transfer; register device regions only and log "
+        "what was left out. Also builds the per-manager routing state used by MC-NVL-TRANSFER.",
+        source="seed disaggregation/mooncake/conn.py (_registerable_regions NVLink filter, "
+        "_nvlink_intra_transport_active, _is_device_pointer); UPSTREAM-0.5.23 rows E1, E2",
+        signature="(self)",
+        ast_sha="6ec9479b86d8c37c",
+    ),
+    Patch(
+        id="MC-NVL-TRANSFER",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.mooncake_nvlink:around_transfer_data",
+        roles=roles(Role.SCHEDULER),
+        reason="The funnel of KV, state and aux sends: device-sourced blocks go to the engine, "
+        "host-sourced ones as host-block frames on the decode endpoint's ordered zmq socket "
+        "(found in transfer_infos), ahead of the completion status. Aux takes this path too, "
+        "so send_aux needs no hook.",
+        source="seed disaggregation/mooncake/conn.py (_transfer_data split, _send_host_blocks_tcp, "
+        "send_aux TCP routing); UPSTREAM-0.5.23 rows E3, E4, E6",
+        signature="(self, mooncake_session_id, transfer_blocks)",
+        ast_sha="2864acc7a8b8889a",
+    ),
+    Patch(
+        id="MC-NVL-AUX-RECV",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_aux_data",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.mooncake_nvlink:around_handle_aux_data",
+        roles=roles(Role.SCHEDULER),
+        reason="Decode thread: host-block frames travel as AUX_DATA with a tag; write them only "
+        "inside published regions with the exact declared length, drop and log anything else, "
+        "never let a bad frame stop the thread. Avoids replacing the start_decode_thread closure.",
+        source="seed disaggregation/mooncake/conn.py (STATE_DATA_HEADER, _handle_state_data, "
+        "_host_transfer_regions); UPSTREAM-0.5.23 row E5",
+        signature="(self, msg: List[bytes])",
+        ast_sha="fe1cc6da028906c9",
+    ),
     # === mooncake-nvlink (issue 4) entries above this line ===
+    # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
+    Patch(
+        id="PDH-PAIRING",
+        group="pd-handshake",
+        target="sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.pd_handshake:around_try_ensure_parallel_info",
+        roles=roles(Role.SCHEDULER),
+        reason="Decode side of the PD handshake: apply core.pd_pairing (DSpark on both, "
+        "identical layouts, MLA/hybrid-MLA pool: accept equal shapes and cases a/b/c, "
+        "reject the rest naming fields and both values) before any peer info is cached "
+        "or rank mapping resolved. AROUND with a scoped, per-thread PrefillServerInfo "
+        "rebinding and a manager view instead of a REPLACE of the whole method; the "
+        "fingerprint covers the body those substitutions rely on.",
+        source="seed disaggregation/common/conn.py (try_ensure_parallel_info TP/CP "
+        "relaxation); UPSTREAM-0.5.23 row D2; issue 6 decision",
+        signature="(self, bootstrap_addr: str)",
+        ast_sha="b642fd15fc5d3f71",
+    ),
     # === pd-handshake (issue 6) entries above this line ===
     # --- embed-overrides: token-embedding overrides never meet multimodal placeholder rows
     Patch(
