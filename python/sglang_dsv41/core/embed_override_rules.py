@@ -88,12 +88,15 @@ def can_share_extend_batch(candidate: RowKind, admitted: Iterable[RowKind]) -> b
     Conservative on purpose: a multimodal request counts as having placeholder
     rows for every chunk, even a chunk past its media. Decode rows mixed into
     an extend step are not part of ``admitted``; the model-runner check covers
-    them exactly.
+    them exactly. A request that carries both kinds (the scheduler intake
+    aborts those) shares with neither kind; alone it would reach the
+    model-runner check, which stops it loudly rather than hanging the queue.
     """
-    if candidate.has_overrides:
-        return not any(row.has_multimodal for row in admitted)
-    if candidate.has_multimodal:
-        return not any(row.has_overrides for row in admitted)
+    admitted = list(admitted)
+    if candidate.has_overrides and any(row.has_multimodal for row in admitted):
+        return False
+    if candidate.has_multimodal and any(row.has_overrides for row in admitted):
+        return False
     return True
 
 

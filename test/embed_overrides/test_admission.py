@@ -1,0 +1,170 @@
+"""Request admission: overrides together with image, video or audio are refused
+by the real TokenizerManager._validate_one_request, in the launcher's
+TokenizerManager and in a multi-tokenizer worker's TokenizerWorker."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import run_python
+from embed_harness import hooks_installed, vec
+from sglang.srt.managers.embed_types import PositionalEmbeds
+from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.runtime_context import publish, reset_context
+from sglang.srt.server_args import ServerArgs
+
+REFUSED = "overrides cannot be combined with image, video, or audio"
+
+
+def _manager(cls=TokenizerManager, *, is_generation=True):
+    manager = cls.__new__(cls)
+    manager.context_len = 128
+    manager.num_reserved_tokens = 0
+    manager.allow_auto_truncate = False
+    manager.validate_total_tokens = False
+    manager.is_generation = is_generation
+    # 0.5.23 reads this for decision-layout checkpoints; not one here
+    manager.model_config = SimpleNamespace(joint_head_config=None, pointer_head=None)
+    return manager
+
+
+@pytest.fixture
+def tokenizer_context():
+    reset_context()
+    publish(ServerArgs(model_path="dummy"), role="tokenizer")
+    yield
+    reset_context()
+
+
+def _generate(**fields):
+    return GenerateReqInput(
+        input_ids=[10, 50, 20],
+        sampling_params={},
+        positional_embed_overrides=PositionalEmbeds(embeds=[vec()], positions=[1]),
+        **fields,
+    )
+
+
+MEDIA = [
+    {"image_data": ["image.png"]},
+    {"video_data": ["clip.mp4"]},
+    {"audio_data": ["speech.wav"]},
+]
+
+
+@pytest.mark.parametrize("media", MEDIA, ids=lambda m: next(iter(m)))
+def test_generate_request_with_overrides_and_media_is_refused(tokenizer_context, media):
+    manager = _manager()
+    with hooks_installed({"EMB-ADMIT"}):
+        req = _generate(**media)
+        with pytest.raises(ValueError, match=REFUSED):
+            manager._validate_one_request(req, req.input_ids)
+        text_only = _generate()
+        manager._validate_one_request(text_only, text_only.input_ids)
+        media_only = GenerateReqInput(input_ids=[10, 50, 20], sampling_params={}, **media)
+        manager._validate_one_request(media_only, media_only.input_ids)
+
+
+def test_unresolved_embedding_overrides_with_image_are_refused(tokenizer_context):
+    """EmbeddingReqInput turns embed_overrides into positional overrides only
+    after validation, so the unresolved pair must be caught here too."""
+    manager = _manager(is_generation=False)
+    req = EmbeddingReqInput(
+        input_ids=[10, 50, 20],
+        sampling_params={},
+        embed_override_token_id=50,
+        embed_overrides=[vec()],
+        image_data=["image.png"],
+    )
+    with hooks_installed({"EMB-ADMIT"}):
+        with pytest.raises(ValueError, match=REFUSED):
+            manager._validate_one_request(req, req.input_ids)
+        req.image_data = None
+        manager._validate_one_request(req, req.input_ids)
+        # half a pair is not an override request (sglang does not resolve it)
+        half = EmbeddingReqInput(
+            input_ids=[10, 50, 20], sampling_params={}, embed_overrides=[vec()],
+            image_data=["image.png"],
+        )
+        manager._validate_one_request(half, half.input_ids)
+
+
+def test_refusal_comes_before_upstream_checks(tokenizer_context):
+    """The request is refused for the combination even when another check
+    would also fail, so the client learns the real reason."""
+    manager = _manager()
+    manager.context_len = 2  # the 3-token prompt is too long as well
+    req = _generate(image_data=["image.png"])
+    with pytest.raises(ValueError, match="longer than the model's context length"):
+        manager._validate_one_request(req, req.input_ids)  # stock 0.5.23
+    with hooks_installed({"EMB-ADMIT"}):
+        with pytest.raises(ValueError, match=REFUSED):
+            manager._validate_one_request(req, req.input_ids)
+
+
+def test_stock_sglang_accepts_the_combination(tokenizer_context):
+    """Control: without the patch 0.5.23 lets the request through."""
+    manager = _manager()
+    req = _generate(image_data=["image.png"])
+    manager._validate_one_request(req, req.input_ids)
+
+
+WORKER_PROCESS = """
+import json
+# A multi-tokenizer worker loads the plugins through our worker app (the
+# foundation tests that route); the same entry-point discovery here.
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from types import SimpleNamespace
+from sglang.srt.managers.embed_types import PositionalEmbeds
+from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
+from sglang.srt.managers.multi_tokenizer_mixin import TokenizerWorker
+from sglang.srt.runtime_context import publish
+from sglang.srt.server_args import ServerArgs
+from sglang_dsv41.activation import role_status
+from sglang_dsv41.patch_spec import Role
+import torch
+
+publish(ServerArgs(model_path="dummy"), role="tokenizer")
+worker = TokenizerWorker.__new__(TokenizerWorker)
+worker.context_len = 128
+worker.num_reserved_tokens = 0
+worker.allow_auto_truncate = False
+worker.validate_total_tokens = False
+worker.model_config = SimpleNamespace(joint_head_config=None, pointer_head=None)
+out = {}
+cases = {
+    "generate": (True, GenerateReqInput(
+        input_ids=[10, 50, 20], sampling_params={}, image_data=["image.png"],
+        positional_embed_overrides=PositionalEmbeds(embeds=[torch.ones(4)], positions=[1]))),
+    "embedding": (False, EmbeddingReqInput(
+        input_ids=[10, 50, 20], sampling_params={}, image_data=["image.png"],
+        embed_override_token_id=50, embed_overrides=[torch.ones(4)])),
+}
+for name, (is_generation, req) in cases.items():
+    worker.is_generation = is_generation
+    try:
+        worker._validate_one_request(req, req.input_ids)
+        out[name] = "accepted"
+    except ValueError as exc:
+        out[name] = str(exc)
+applied, missing = role_status(Role.TOKENIZER_WORKER)
+out["applied"] = [p.id for p in applied]
+out["missing"] = [p.id for p in missing]
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_multi_tokenizer_worker_refuses_the_combination():
+    proc = run_python(WORKER_PROCESS, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    out = json.loads(line[len("RESULT"):])
+    assert REFUSED in out["generate"], out
+    assert REFUSED in out["embedding"], out
+    assert "EMB-ADMIT" in out["applied"] and out["missing"] == []

@@ -1,0 +1,104 @@
+"""The plain rules, without sglang: who may share an extend batch, which chunks
+touch placeholder spans."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from sglang_dsv41.core import embed_override_rules as rules
+
+TEXT = rules.RowKind(has_overrides=False, has_multimodal=False)
+OVERRIDE = rules.RowKind(has_overrides=True, has_multimodal=False)
+MEDIA = rules.RowKind(has_overrides=False, has_multimodal=True)
+BOTH = rules.RowKind(has_overrides=True, has_multimodal=True)
+
+
+def test_override_and_media_never_share_in_either_order():
+    assert not rules.can_share_extend_batch(OVERRIDE, [MEDIA])
+    assert not rules.can_share_extend_batch(MEDIA, [OVERRIDE])
+    assert not rules.can_share_extend_batch(OVERRIDE, [TEXT, MEDIA, TEXT])
+    assert not rules.can_share_extend_batch(MEDIA, [TEXT, OVERRIDE])
+
+
+def test_everything_else_shares():
+    for candidate, admitted in [
+        (TEXT, [OVERRIDE, MEDIA]),  # text joins any batch
+        (OVERRIDE, [OVERRIDE, TEXT]),
+        (MEDIA, [MEDIA, TEXT]),
+        (OVERRIDE, []),
+        (MEDIA, []),
+    ]:
+        assert rules.can_share_extend_batch(candidate, admitted), (candidate, admitted)
+
+
+def test_a_request_with_both_shares_with_neither_kind():
+    assert BOTH.self_conflicting and not OVERRIDE.self_conflicting
+    assert not rules.can_share_extend_batch(BOTH, [MEDIA])
+    assert not rules.can_share_extend_batch(BOTH, [OVERRIDE])
+
+
+def test_no_admitted_batch_ever_mixes_the_two_kinds():
+    """Admitting greedily under the rule, in any arrival order, never mixes."""
+    kinds = [TEXT, OVERRIDE, MEDIA]
+    for arrival in itertools.product(kinds, repeat=5):
+        admitted = []
+        for kind in arrival:
+            if not rules.can_share_extend_batch(kind, admitted):
+                break
+            admitted.append(kind)
+        assert not (
+            any(k.has_overrides for k in admitted) and any(k.has_multimodal for k in admitted)
+        ), arrival
+
+
+@pytest.mark.parametrize(
+    "prefix,extend,span,touches",
+    [
+        (0, 4, (0, 1), True),  # chunk starts on the span
+        (0, 2, (2, 5), False),  # chunk ends right before it
+        (0, 3, (2, 5), True),  # last chunk token is the span's first
+        (6, 2, (2, 5), False),  # chunk starts right after it
+        (5, 2, (2, 5), True),  # first chunk token is the span's last (inclusive)
+        (3, 1, (2, 5), True),  # inside
+        (5, 0, (2, 5), False),  # empty chunk
+        (5, 1, (0, 1), False),  # decode row well past the media
+    ],
+)
+def test_chunk_touches_inclusive_span(prefix, extend, span, touches):
+    assert rules.chunk_touches_span(prefix, extend, *span) is touches
+
+
+def test_rows_with_spans_are_checked_and_unknown_rows_are_returned():
+    rows = [
+        None,
+        rules.ExtendRowMedia(prefix_len=5, extend_len=1, spans=((0, 1),)),
+        rules.ExtendRowMedia(prefix_len=0, extend_len=3, spans=None),
+    ]
+    assert rules.rows_needing_id_scan(rows) == [2]
+    rows.append(rules.ExtendRowMedia(prefix_len=0, extend_len=3, spans=((9, 9), (2, 4))))
+    with pytest.raises(ValueError, match=r"cannot share an extend batch.*row 3"):
+        rules.rows_needing_id_scan(rows)
+
+
+def test_override_detection_follows_sglang_resolution():
+    assert rules.has_embed_overrides(object())
+    assert not rules.has_embed_overrides(None)
+    # the unresolved pair counts only for embedding requests, and only whole
+    pair = dict(embed_overrides=[0.0], embed_override_token_id=50)
+    assert rules.has_embed_overrides(None, unresolved_form=True, **pair)
+    assert not rules.has_embed_overrides(None, unresolved_form=False, **pair)
+    assert not rules.has_embed_overrides(
+        None, unresolved_form=True, embed_overrides=[0.0], embed_override_token_id=None
+    )
+    assert not rules.has_embed_overrides(
+        None, unresolved_form=True, embed_overrides=None, embed_override_token_id=50
+    )
+
+
+def test_admission_refuses_only_the_combination():
+    with pytest.raises(ValueError, match="overrides cannot be combined"):
+        rules.check_request_admission(has_overrides=True, has_multimodal_input=True)
+    for flags in [(True, False), (False, True), (False, False)]:
+        rules.check_request_admission(has_overrides=flags[0], has_multimodal_input=flags[1])
