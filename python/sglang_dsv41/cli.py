@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import sys
 from pathlib import Path
@@ -140,7 +141,7 @@ def _rewrite_fingerprints(table_path: Path, only: set[str] | None = None) -> int
             v = kw[field]
             start = offsets[v.lineno - 1] + v.col_offset
             end = offsets[v.end_lineno - 1] + v.end_col_offset
-            edits.append((start, end, repr(value).replace("'", '"') if '"' not in value else repr(value)))
+            edits.append((start, end, json.dumps(value)))  # a valid Python str literal
     for start, end, new in sorted(edits, reverse=True):
         text = text[:start] + new + text[end:]
     table_path.write_text(text)
