@@ -111,7 +111,7 @@ PATCHES: tuple[Patch, ...] = (
         "the statement order it relies on.",
         source="seed models/deepseek_v4.py (DeepseekV4ForCausalLM.__init__ vision guard); "
         "UPSTREAM-0.5.23 row B4 option (b)",
-        signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str="")",
+        signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
         ast_sha="1f322574a840203c",
     ),
     Patch(
@@ -146,6 +146,71 @@ PATCHES: tuple[Patch, ...] = (
         ast_sha="07f87b7e9b6875da",
     ),
     # === vision-cp runtime (issue 5) entries above this line ===
+    # --- owner-broadcast: one rank encodes each image span, the group agrees
+    Patch(
+        id="OWN-GROUP",
+        group="owner-broadcast",
+        target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.__init__",
+        kind=HookKind.AFTER,
+        hook="sglang_dsv41.hooks.owner_broadcast:after_model_init",
+        roles=roles(Role.SCHEDULER),
+        reason="Sets model.mm_owner_group once the model (and its vision tower) exists: the "
+        "attention-TP group, or the attention-CP group when attn_cp == tp, when that group "
+        "replicates the image work; None otherwise or with SGLANG_DSV41_OWNER_BROADCAST=0. "
+        "Logs the decision once per process.",
+        source="seed models/deepseek_v4.py (mm_owner_group in __init__), "
+        "managers/mm_owner_embedding.py (select_owner_group); UPSTREAM-0.5.23 row C4",
+        signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
+        ast_sha="1f322574a840203c",
+    ),
+    Patch(
+        id="OWN-FENCE",
+        group="owner-broadcast",
+        target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.prepare_language_model_inputs",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.owner_broadcast:around_prepare_language_model_inputs",
+        roles=roles(Role.SCHEDULER),
+        reason="Opens an owner session when the batch has images (engaged only when the "
+        "host-side batch metadata shows an image span in this chunk, so every rank decides "
+        "alike without communicating) and runs the whole input preparation inside its fence: "
+        "a failure on any rank becomes the same error on every rank instead of a hang.",
+        source="seed models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session); "
+        "UPSTREAM-0.5.23 rows C4, B6",
+        signature="(self, input_ids: torch.Tensor, forward_batch: ForwardBatch, input_embeds: Optional[torch.Tensor]=None)",
+        ast_sha="873f6b875451f57e",
+    ),
+    Patch(
+        id="OWN-TEXT-EMBED",
+        group="owner-broadcast",
+        target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM._prepare_mm_embeddings",
+        kind=HookKind.REPLACE,
+        hook="sglang_dsv41.hooks.owner_broadcast:replace_prepare_mm_embeddings",
+        roles=roles(Role.SCHEDULER),
+        reason="Same embed_mm_inputs call, but with an engaged session the text embedding is a "
+        "wrapper that agrees features_ready (together with its own local lookup) before the "
+        "embedding's TP all-reduce. The agreement point sits in the middle of embed_mm_inputs "
+        "(145 lines); replacing this 15-line caller avoids copying that function.",
+        source="seed managers/mm_utils.py (features_ready, uncaptured text embedding); "
+        "UPSTREAM-0.5.23 row C3",
+        signature="(self, input_ids, forward_batch)",
+        ast_sha="2f73f3618d0677b4",
+    ),
+    Patch(
+        id="OWN-ENCODE",
+        group="owner-broadcast",
+        target="sglang.srt.managers.mm_schedule._batch_encode_per_image_misses",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.owner_broadcast:around_batch_encode_per_image_misses",
+        roles=roles(Role.SCHEDULER),
+        reason="Where 0.5.23 encodes a chunk's per-image cache misses on every rank: with an "
+        "engaged session, fill each request's overlapping list (0.5.23 3-tuple format) and "
+        "resolve the spans through the owner protocol (one encode per span in the group, "
+        "broadcast to the rest); otherwise the stock encode.",
+        source="seed managers/mm_schedule.py (_collect_image_span_requests, "
+        "_owner_span_encoder); UPSTREAM-0.5.23 rows C1, C2",
+        signature="(data_embedding_func: DataEmbeddingFunc, per_image_requests: List[PerImageRequestInfo], device: torch.device)",
+        ast_sha="fbbc8fa72fee0535",
+    ),
     # === owner-broadcast (issue 3) entries above this line ===
     # --- mooncake-nvlink: keep intra-node NVLink for device memory, host blocks beside it
     Patch(

@@ -1,0 +1,872 @@
+"""Owner-broadcast image embedding for a group of ranks that run the same requests.
+
+Under tensor parallelism (and under prefill context parallelism when the
+attention CP group is the whole TP group) every rank of a group prepares the
+same prefill chunk. Stock sglang runs the vision encoder for each image on each
+of those ranks. Here one owner rank per image span (content hash modulo the
+group size) encodes the span, or takes it from its embedding cache, and
+broadcasts it; the other ranks receive it.
+
+Distributed work is only safe when every rank enters the same collectives, so
+every step is guarded by an agreement:
+
+1. Each rank publishes a manifest (its span keys with a geometry signature,
+   which of them it holds valid in its cache, dtype, width, request ids, or the
+   error it hit while building it). Group rank 0 turns the manifests into a
+   plan and broadcasts it. A bad manifest anywhere becomes the plan's error.
+2. Before any span broadcast, the ranks agree that every owner encoded and
+   every receiver allocated its buffer.
+3. ``features_ready`` is agreed before the text embedding, which may
+   all-reduce across the group.
+4. A fence around the whole input preparation agrees once more at its end,
+   so a rank that failed anywhere in between takes the others down with the
+   same error instead of leaving them in the model body's collectives.
+
+Every failure becomes one error text, identical on every rank, naming the
+phase, the group rank, the global rank and the request ids. A failure inside a
+collective leaves the group in an unknown state, so after one no further
+agreement is attempted: the local error is raised as it is.
+
+This module depends on torch and msgspec only. The process group and the
+embedding cache are the two small interfaces below; production passes sglang's
+``GroupCoordinator`` and ``MultiModalStaticCache`` through adapters, tests and
+benchmarks pass ``TorchDistributedGroup``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from contextlib import contextmanager, nullcontext
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+import msgspec
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (content hash, span length in tokens): the key sglang's per-image path uses
+# for its hash -> embedding map.
+SpanKey = Tuple[int, int]
+
+
+# --------------------------------------------------------------------------
+# The two interfaces
+
+
+class OwnerGroup(Protocol):
+    """A process group whose members all prepare the same prefill chunk."""
+
+    rank_in_group: int
+    world_size: int
+    ranks: Sequence[int]  # global rank of each group rank
+
+    def all_gather_object(self, obj: Any) -> List[Any]: ...
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+
+class EmbeddingCache(Protocol):
+    """Embeddings keyed by content hash."""
+
+    def get(self, content_hash: int) -> Optional[torch.Tensor]: ...
+
+    def set(self, content_hash: int, span: torch.Tensor) -> bool: ...
+
+    def free(self, content_hash: int) -> None: ...
+
+
+# --------------------------------------------------------------------------
+# Data
+
+
+class Action(enum.IntEnum):
+    LOCAL_HIT = 0  # every rank holds the span: no transfer
+    OWNER_CACHE_BROADCAST = 1  # the owner holds it: broadcast from its cache
+    OWNER_ENCODE_BROADCAST = 2  # the owner encodes it, then broadcasts
+
+
+class Phase(str, enum.Enum):
+    PREPARE = "prepare"  # input preparation before the owner path
+    MANIFEST = "manifest"
+    PLAN = "plan"
+    ENCODE = "encode"
+    RECEIVE_BUFFER = "receive-buffer"
+    BROADCAST = "broadcast"
+    FEATURES = "features"  # after the spans, before features are ready
+    TEXT_EMBEDDING = "text-embedding"
+    FINALIZE = "finalize"  # after features are ready, until the fence ends
+
+
+class SpanRequest(msgspec.Struct):
+    """One distinct image span of the chunk, as the scheduling code found it."""
+
+    content_hash: Optional[int]
+    span_len: int
+    item: Any
+    inside_chunk: bool = False  # the whole span lies inside this chunk
+    duplicates: List[Any] = msgspec.field(default_factory=list)
+
+    @property
+    def key(self) -> SpanKey:
+        return (self.content_hash, self.span_len)
+
+
+class SpanManifestKey(msgspec.Struct, frozen=True, array_like=True):
+    content_hash: int
+    span_len: int
+    geometry: Any
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    keys: List[SpanManifestKey]
+    cached: List[bool]
+    dtype: str
+    width: int
+    request_ids: List[str]
+
+
+class Report(msgspec.Struct, frozen=True):
+    """What one rank publishes at an agreement: its error, or (at the manifest
+    exchange) its manifest."""
+
+    group_rank: int
+    error: Optional[str] = None
+    manifest: Optional[Manifest] = None
+
+
+class Plan(msgspec.Struct, frozen=True):
+    actions: List[int] = msgspec.field(default_factory=list)
+    owners: List[int] = msgspec.field(default_factory=list)
+    error: Optional[str] = None
+
+    def transfer_indices(self, owner: int) -> List[int]:
+        return [
+            index
+            for index, (action, span_owner) in enumerate(zip(self.actions, self.owners))
+            if action != Action.LOCAL_HIT and span_owner == owner
+        ]
+
+    def has_transfers(self) -> bool:
+        return any(action != Action.LOCAL_HIT for action in self.actions)
+
+
+class OwnerProtocolError(RuntimeError):
+    """Raised with the same text on every rank of the group."""
+
+
+_report_codec = msgspec.msgpack.Decoder(Report)
+_plan_codec = msgspec.msgpack.Decoder(Plan)
+_encoder = msgspec.msgpack.Encoder()
+
+
+# --------------------------------------------------------------------------
+# Pure helpers (unit-tested on their own)
+
+
+def owner_of(content_hash: int, world_size: int) -> int:
+    return content_hash % world_size
+
+
+def select_owner_group_kind(
+    *, tp_size: int, attn_dp_size: int, attn_cp_size: int, pp_size: int = 1
+) -> Optional[str]:
+    """Which group replicates the image work: ``"attn_tp"``, ``"attn_cp"``, or None.
+
+    With attention DP each DP group runs its own requests, so replication is
+    the attention-TP width. Under CP only the layout where the CP group is the
+    whole TP group runs the same requests on every member.
+    """
+    if pp_size != 1 or attn_dp_size < 1:
+        return None
+    replication = tp_size // attn_dp_size
+    if replication <= 1:
+        return None
+    if attn_cp_size == 1:
+        return "attn_tp"
+    if attn_dp_size == 1 and attn_cp_size == tp_size:
+        return "attn_cp"
+    return None
+
+
+class ItemView(msgspec.Struct, frozen=True):
+    """The host-side facts about one image item that decide whether the
+    per-image scheduling path will see it."""
+
+    offsets: List[Tuple[int, int]]
+    precomputed: bool = False
+
+
+def chunk_has_owner_spans(
+    requests: Sequence[Sequence[ItemView]],
+    extend_prefix_lens: Sequence[int],
+    extend_seq_lens: Sequence[int],
+) -> bool:
+    """Will sglang's per-image path find an image span in this chunk?
+
+    Every rank of the group holds the same batch metadata, so every rank gets
+    the same answer without communicating. Mirrors the scheduling code: items
+    with precomputed embeddings take another path, a request whose items have
+    several runs takes the whole-request path, and a request counts only when
+    one of its spans overlaps the tokens this chunk extends.
+    """
+    if any(item.precomputed for items in requests for item in items):
+        return False
+    for index, items in enumerate(requests):
+        if index >= len(extend_prefix_lens) or not items:
+            continue
+        extend_len = extend_seq_lens[index] if index < len(extend_seq_lens) else 0
+        if extend_len <= 0:
+            continue
+        if any(len(item.offsets) != 1 for item in items):
+            continue
+        chunk_start = extend_prefix_lens[index]
+        chunk_end = chunk_start + extend_len  # exclusive; offsets are inclusive
+        for item in items:
+            start, end = item.offsets[0]
+            if end >= chunk_start and start < chunk_end:
+                return True
+    return False
+
+
+def canonical_geometry(value: Any) -> Any:
+    """A geometry signature as nested tuples of plain values, so that equal
+    inputs compare equal on every rank and the manifest can be serialized."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, dict):
+        return tuple((str(k), canonical_geometry(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(canonical_geometry(v) for v in value)
+    return repr(value)
+
+
+def make_plan(manifests: Sequence[Manifest]) -> Plan:
+    """Group rank 0's decision. Raises ValueError when the ranks disagree on
+    what the chunk contains."""
+    if not manifests:
+        raise ValueError("no manifests")
+    lead = manifests[0]
+    for rank, manifest in enumerate(manifests[1:], start=1):
+        differences = [
+            f"{name}: {getattr(lead, name)!r} vs {getattr(manifest, name)!r}"
+            for name in ("request_ids", "keys", "dtype", "width")
+            if getattr(lead, name) != getattr(manifest, name)
+        ]
+        if differences:
+            raise ValueError(
+                f"group ranks 0 and {rank} disagree on the image spans of this "
+                "chunk (" + "; ".join(differences) + ")"
+            )
+        if len(manifest.cached) != len(manifest.keys):
+            raise ValueError(f"group rank {rank} sent a malformed manifest")
+    world = len(manifests)
+    actions: List[int] = []
+    owners: List[int] = []
+    for index, key in enumerate(lead.keys):
+        owner = owner_of(key.content_hash, world)
+        if all(manifest.cached[index] for manifest in manifests):
+            action = Action.LOCAL_HIT
+        elif manifests[owner].cached[index]:
+            action = Action.OWNER_CACHE_BROADCAST
+        else:
+            action = Action.OWNER_ENCODE_BROADCAST
+        actions.append(int(action))
+        owners.append(owner)
+    return Plan(actions=actions, owners=owners)
+
+
+def split_encoder_output(
+    encoded: Union[torch.Tensor, Sequence[torch.Tensor]], span_lens: Sequence[int]
+) -> List[torch.Tensor]:
+    """One ``[span_len, width]`` tensor per span from a batched encoder call.
+
+    Encoders return either one tensor per item or one tensor holding all spans
+    in order (possibly with extra leading dimensions).
+    """
+    if isinstance(encoded, torch.Tensor):
+        flat = encoded.reshape(-1, encoded.shape[-1]) if encoded.dim() != 2 else encoded
+        if flat.shape[0] != sum(span_lens):
+            raise ValueError(
+                f"encoder returned {flat.shape[0]} rows for spans of {list(span_lens)} "
+                f"tokens ({sum(span_lens)} rows expected)"
+            )
+        return list(torch.split(flat, list(span_lens), dim=0))
+    if isinstance(encoded, (list, tuple)):
+        if len(encoded) != len(span_lens):
+            raise ValueError(
+                f"encoder returned {len(encoded)} spans for {len(span_lens)} images"
+            )
+        spans = []
+        for span in encoded:
+            if not isinstance(span, torch.Tensor):
+                raise TypeError(f"encoder returned a {type(span).__name__}, not a tensor")
+            spans.append(span.reshape(-1, span.shape[-1]) if span.dim() != 2 else span)
+        return spans
+    raise TypeError(f"encoder returned a {type(encoded).__name__}, not tensors")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    def index(device: torch.device) -> Optional[int]:
+        if device.index is None and device.type == "cuda":
+            return torch.cuda.current_device()
+        return device.index
+
+    return a.type == b.type and index(a) == index(b)
+
+
+def _default_synchronize(device: torch.device) -> None:
+    # Asynchronous device errors must surface before a rank reports success.
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _default_allocate(shape: Tuple[int, int], dtype: torch.dtype, device: torch.device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+SpanEncoder = Callable[[List[SpanRequest]], Union[torch.Tensor, Sequence[torch.Tensor]]]
+GeometrySignature = Callable[[Any, int], Any]
+
+
+class _State(enum.Enum):
+    AWAIT_MANIFEST = "await-manifest"
+    AWAIT_FEATURES_READY = "await-features-ready"
+    AWAIT_FENCE_END = "await-fence-end"
+    DONE = "done"
+
+
+# --------------------------------------------------------------------------
+# The session
+
+
+class OwnerSession:
+    """The owner protocol for one input preparation of one group.
+
+    ``engaged`` must be decided identically on every rank without
+    communication (from host-side batch metadata). A session that is not
+    engaged does nothing: its fence and ``features_ready`` are free.
+
+    Parameters beyond the group:
+      device, dtype, width: what every span must be (``[span_len, width]``).
+      request_ids: for the manifest check and for error texts.
+      signature: ``(item, span_len) -> geometry``; raising rejects the span.
+      allocate: receive-buffer allocator ``(shape, dtype, device) -> tensor``.
+      allocation_context: entered around the whole owner path, so production
+        can keep receive buffers out of a symmetric-memory pool (owners and
+        receivers allocate different sizes, which such a pool cannot take).
+      synchronize: waits for the device before a rank reports success.
+      on_phase: called with each phase as it starts (a fault-injection seam
+        for tests; None in production).
+    """
+
+    def __init__(
+        self,
+        group: OwnerGroup,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        width: int,
+        request_ids: Sequence[str],
+        signature: GeometrySignature,
+        engaged: bool = True,
+        allocate: Callable[..., torch.Tensor] = _default_allocate,
+        allocation_context: Callable[[], ContextManager] = nullcontext,
+        synchronize: Callable[[torch.device], None] = _default_synchronize,
+        on_phase: Optional[Callable[[Phase], None]] = None,
+    ):
+        self.group = group
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.width = int(width)
+        self.request_ids = [str(rid) for rid in request_ids]
+        self.signature = signature
+        self.engaged = bool(engaged)
+        self._allocate = allocate
+        self._allocation_context = allocation_context
+        self._synchronize = synchronize
+        self._on_phase = on_phase
+        self.phase = Phase.PREPARE
+        self._state = _State.AWAIT_MANIFEST
+        self._collective_failed = False
+
+    # -- public protocol steps -------------------------------------------
+
+    def resolve(
+        self,
+        requests: Sequence[SpanRequest],
+        cache: EmbeddingCache,
+        encode: SpanEncoder,
+    ) -> Dict[SpanKey, torch.Tensor]:
+        """Full ``[span_len, width]`` embeddings for every requested span, the
+        same bytes on every rank. Each span is encoded at most once in the group."""
+        if not self.engaged:
+            raise RuntimeError(
+                "owner protocol reached for a chunk whose batch metadata shows no image span"
+            )
+        if self._state is not _State.AWAIT_MANIFEST:
+            raise RuntimeError(
+                f"owner protocol resolved twice in one input preparation (state {self._state.value})"
+            )
+        with self._allocation_context():
+            return self._resolve(list(requests), cache, encode)
+
+    def features_ready(self, error: Optional[BaseException] = None) -> None:
+        """Agree that every rank has its image features (and, when ``error`` is
+        given, report that this rank has not). Must precede any collective of
+        the text embedding."""
+        if not self.engaged:
+            if error is not None:
+                raise error
+            return
+        text = None if error is None else self._describe(error)
+        if text is None:
+            text = self._device_error()
+        if self._state is _State.AWAIT_FEATURES_READY:
+            self._agree(text, cause=error)
+            self._state = _State.AWAIT_FENCE_END
+            # No fault hook here: peers may already be in the text embedding's
+            # collective, where a failure could no longer be agreed.
+            self.phase = Phase.FINALIZE
+            return
+        self._agree_out_of_order(text, cause=error, step="features_ready")
+
+    def embed_text(
+        self,
+        lookup: Callable[[], torch.Tensor],
+        reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """The text embedding with ``features_ready`` agreed in the middle.
+
+        ``lookup`` must not communicate: its failure on any rank is agreed
+        together with the features. ``reduce`` (a collective, e.g. the TP
+        all-reduce of a vocab-parallel embedding) runs only after that
+        agreement, and a failure inside it is not agreed.
+        """
+        if not self.engaged:
+            partial = lookup()
+            return partial if reduce is None else reduce(partial)
+        self._enter(Phase.TEXT_EMBEDDING)
+        partial, error = None, None
+        try:
+            partial = lookup()
+        except Exception as exc:  # agreed below, raised on every rank
+            error = exc
+        self.features_ready(error)
+        if reduce is None:
+            return partial
+        with self.collective():
+            return reduce(partial)
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Marks a region in which peers may be inside a collective with us. A
+        failure here is never followed by another agreement attempt."""
+        try:
+            yield
+        except BaseException:
+            self._collective_failed = True
+            raise
+
+    @contextmanager
+    def fence(self) -> Iterator["OwnerSession"]:
+        """Wraps the whole input preparation. Leaves only after every rank has
+        finished it, or with the same error on every rank."""
+        if not self.engaged:
+            yield self
+            return
+        try:
+            yield self
+        except Exception as exc:
+            self._fail(exc)
+            raise
+        self._finish()
+
+    # -- the owner path ----------------------------------------------------
+
+    def _resolve(
+        self, requests: List[SpanRequest], cache: EmbeddingCache, encode: SpanEncoder
+    ) -> Dict[SpanKey, torch.Tensor]:
+        features: Dict[SpanKey, torch.Tensor] = {}
+        manifest, error = None, None
+        try:
+            self._enter(Phase.MANIFEST)
+            manifest = self._build_manifest(requests, cache, features)
+        except Exception as exc:
+            error = self._describe(exc)
+            features.clear()
+        plan = self._exchange_manifest(manifest, error)
+
+        self._enter(Phase.PLAN)
+        if len(plan.actions) != len(requests) or len(plan.owners) != len(requests):
+            raise RuntimeError(
+                f"plan covers {len(plan.actions)} spans, this rank has {len(requests)}"
+            )
+        if not plan.has_transfers():
+            self._enter(Phase.FEATURES)
+            return features
+
+        payloads: Dict[int, torch.Tensor] = {}
+        error = None
+        try:
+            payloads = self._prepare_payloads(requests, plan, features, encode)
+            self._synchronize(self.device)
+        except Exception as exc:
+            error = self._describe(exc)
+        self._agree(error)
+
+        with self.collective():
+            # Nothing may fail between the agreement above and the broadcasts:
+            # peers are already inside them.
+            self.phase = Phase.BROADCAST
+            for owner in sorted(payloads):
+                self.group.broadcast(payloads[owner], src=owner)
+
+        self._enter(Phase.FEATURES)
+        received: List[Tuple[int, torch.Tensor]] = []
+        for owner in sorted(payloads):
+            indices = plan.transfer_indices(owner)
+            spans = torch.split(payloads[owner], [requests[i].span_len for i in indices])
+            received.extend(zip(indices, spans))
+        # Only complete spans reach the cache, and only after every broadcast.
+        for index, span in received:
+            request = requests[index]
+            features[request.key] = span
+            cache.set(request.content_hash, span)
+        return features
+
+    def _build_manifest(
+        self,
+        requests: List[SpanRequest],
+        cache: EmbeddingCache,
+        features: Dict[SpanKey, torch.Tensor],
+    ) -> Manifest:
+        keys: List[SpanManifestKey] = []
+        cached: List[bool] = []
+        seen = set()
+        for request in requests:
+            if request.content_hash is None:
+                raise ValueError(f"image span of {request.span_len} tokens has no content hash")
+            if request.key in seen:
+                raise ValueError(f"image span {request.key} listed twice")
+            seen.add(request.key)
+            geometry = canonical_geometry(self.signature(request.item, request.span_len))
+            for duplicate in request.duplicates:
+                other = canonical_geometry(self.signature(duplicate, request.span_len))
+                if other != geometry:
+                    raise ValueError(
+                        f"image hash {request.content_hash} ({request.span_len} tokens) "
+                        f"occurs with different geometry: {geometry!r} vs {other!r}"
+                    )
+            keys.append(
+                SpanManifestKey(
+                    content_hash=request.content_hash,
+                    span_len=request.span_len,
+                    geometry=geometry,
+                )
+            )
+            span = self._valid_cached_span(cache, request)
+            if span is not None:
+                features[request.key] = span
+            cached.append(span is not None)
+        return Manifest(
+            keys=keys,
+            cached=cached,
+            dtype=str(self.dtype),
+            width=self.width,
+            request_ids=list(self.request_ids),
+        )
+
+    def _valid_cached_span(
+        self, cache: EmbeddingCache, request: SpanRequest
+    ) -> Optional[torch.Tensor]:
+        span = cache.get(request.content_hash)
+        if span is None:
+            return None
+        if (
+            isinstance(span, torch.Tensor)
+            and span.dim() == 2
+            and tuple(span.shape) == (request.span_len, self.width)
+            and span.dtype == self.dtype
+            and _same_device(span.device, self.device)
+        ):
+            return span
+        described = (
+            f"{tuple(span.shape)} {span.dtype} on {span.device}"
+            if isinstance(span, torch.Tensor)
+            else type(span).__name__
+        )
+        logger.warning(
+            "evicting cached image embedding %s that cannot serve a span of "
+            "(%d, %d) %s on %s: cached %s",
+            request.content_hash,
+            request.span_len,
+            self.width,
+            self.dtype,
+            self.device,
+            described,
+        )
+        cache.free(request.content_hash)
+        return None
+
+    def _prepare_payloads(
+        self,
+        requests: List[SpanRequest],
+        plan: Plan,
+        features: Dict[SpanKey, torch.Tensor],
+        encode: SpanEncoder,
+    ) -> Dict[int, torch.Tensor]:
+        """One contiguous payload per owner that has transfers: the owner's
+        spans in plan order on the owner, an empty buffer elsewhere."""
+        me = self.group.rank_in_group
+        payloads: Dict[int, torch.Tensor] = {}
+        for owner in range(self.group.world_size):
+            indices = plan.transfer_indices(owner)
+            if not indices:
+                continue
+            if owner == me:
+                payloads[owner] = self._owner_payload(requests, plan, indices, features, encode)
+                continue
+            self._enter(Phase.RECEIVE_BUFFER)
+            rows = sum(requests[i].span_len for i in indices)
+            shape = (rows, self.width)
+            try:
+                payloads[owner] = self._allocate(shape, self.dtype, self.device)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"receive buffer {shape} {self.dtype} for the spans of group rank "
+                    f"{owner} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        return payloads
+
+    def _owner_payload(
+        self,
+        requests: List[SpanRequest],
+        plan: Plan,
+        indices: List[int],
+        features: Dict[SpanKey, torch.Tensor],
+        encode: SpanEncoder,
+    ) -> torch.Tensor:
+        to_encode = [i for i in indices if plan.actions[i] == Action.OWNER_ENCODE_BROADCAST]
+        spans: Dict[int, torch.Tensor] = {}
+        for index in indices:
+            if plan.actions[index] == Action.OWNER_CACHE_BROADCAST:
+                spans[index] = features[requests[index].key]
+        encoded_whole = None
+        if to_encode:
+            self._enter(Phase.ENCODE)
+            hashes = [requests[i].content_hash for i in to_encode]
+            try:
+                encoded = encode([requests[i] for i in to_encode])
+                pieces = split_encoder_output(encoded, [requests[i].span_len for i in to_encode])
+                for index, piece in zip(to_encode, pieces):
+                    spans[index] = self._checked_span(requests[index], piece)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"owner encode of image hashes {hashes} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            if len(to_encode) == len(indices) and isinstance(encoded, torch.Tensor):
+                encoded_whole = encoded
+        if (
+            encoded_whole is not None
+            and encoded_whole.dtype == self.dtype
+            and _same_device(encoded_whole.device, self.device)
+            and encoded_whole.is_contiguous()
+        ):
+            # The encoder already produced the payload in plan order: no copy.
+            return encoded_whole.reshape(-1, self.width)
+        ordered = [spans[i] for i in indices]
+        return ordered[0].contiguous() if len(ordered) == 1 else torch.cat(ordered, dim=0)
+
+    def _checked_span(self, request: SpanRequest, span: torch.Tensor) -> torch.Tensor:
+        expected = (request.span_len, self.width)
+        if tuple(span.shape) != expected or span.dtype != self.dtype:
+            raise ValueError(
+                f"encoded span for hash {request.content_hash} is {tuple(span.shape)} "
+                f"{span.dtype}; expected {expected} {self.dtype}"
+            )
+        if not _same_device(span.device, self.device):
+            span = span.to(self.device)
+        return span
+
+    # -- agreement ---------------------------------------------------------
+
+    def _exchange_manifest(self, manifest: Optional[Manifest], error: Optional[str]) -> Plan:
+        group = self.group
+        report = Report(group_rank=group.rank_in_group, error=error, manifest=manifest)
+        with self.collective():
+            gathered = group.all_gather_object(_encoder.encode(report))
+            plan_bytes = None
+            if group.rank_in_group == 0:
+                plan_bytes = _encoder.encode(self._plan_from(gathered))
+            plan_bytes = group.broadcast_object(plan_bytes, src=0)
+        self._state = _State.AWAIT_FEATURES_READY
+        plan = _plan_codec.decode(plan_bytes)
+        if plan.error is not None:
+            self._state = _State.DONE
+            raise OwnerProtocolError(plan.error)
+        return plan
+
+    def _plan_from(self, gathered: List[bytes]) -> Plan:
+        """Group rank 0 only. Never raises: a failure becomes the plan's error."""
+        try:
+            reports = [_report_codec.decode(raw) for raw in gathered]
+            agreed = _first_error(reports, self.group.world_size)
+            if agreed is not None:
+                return Plan(error=agreed)
+            self._enter(Phase.PLAN)
+            manifests = []
+            for report in reports:
+                if report.manifest is None:
+                    raise ValueError(f"group rank {report.group_rank} sent no manifest")
+                manifests.append(report.manifest)
+            return make_plan(manifests)
+        except Exception as exc:
+            self.phase = Phase.PLAN
+            return Plan(error=self._describe(exc))
+
+    def _agree(self, error: Optional[str], cause: Optional[BaseException] = None) -> None:
+        """One status exchange: returns if no rank reported an error, else
+        raises the first reported error on every rank."""
+        report = Report(group_rank=self.group.rank_in_group, error=error)
+        with self.collective():
+            gathered = self.group.all_gather_object(_encoder.encode(report))
+        agreed = _first_error([_report_codec.decode(raw) for raw in gathered], self.group.world_size)
+        if agreed is not None:
+            self._state = _State.DONE
+            raise OwnerProtocolError(agreed) from cause
+
+    def _agree_out_of_order(
+        self, text: Optional[str], *, cause: Optional[BaseException], step: str
+    ) -> None:
+        """A step reached in the wrong state. Peers that followed the protocol
+        wait in the exchange this state calls for; take part in it with an
+        error so that every rank stops with the same text."""
+        if text is None:
+            text = self._describe(
+                RuntimeError(f"{step} reached in protocol state {self._state.value}")
+            )
+        if self._state is _State.AWAIT_MANIFEST:
+            self._exchange_manifest(None, text)  # raises: the plan carries the error
+        if self._state is _State.DONE:
+            raise RuntimeError(f"owner protocol {step} after the session ended")
+        self._agree(text, cause=cause)
+        raise AssertionError("unreachable: an agreement on an error always raises")
+
+    def _finish(self) -> None:
+        if self._state is _State.AWAIT_FENCE_END:
+            self._agree(self._device_error())
+            self._state = _State.DONE
+            return
+        if self._state is _State.DONE:
+            return
+        missing = (
+            "no image span reached the owner path although the batch metadata shows one"
+            if self._state is _State.AWAIT_MANIFEST
+            else "the input preparation ended before its image features were marked ready"
+        )
+        self._agree_out_of_order(self._describe(RuntimeError(missing)), cause=None, step="fence end")
+
+    def _fail(self, exc: BaseException) -> None:
+        """A local failure inside the fence: agree on it unless that is unsafe."""
+        if (
+            isinstance(exc, OwnerProtocolError)
+            or self._collective_failed
+            or self._state is _State.DONE
+        ):
+            self._state = _State.DONE
+            return
+        text = self._describe(exc)
+        if self._state is _State.AWAIT_MANIFEST:
+            try:
+                self._exchange_manifest(None, text)
+            except OwnerProtocolError as agreed:
+                raise agreed from exc
+        self._agree(text, cause=exc)
+
+    # -- text --------------------------------------------------------------
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        if self._on_phase is not None:
+            self._on_phase(phase)
+
+    def _device_error(self) -> Optional[str]:
+        try:
+            self._synchronize(self.device)
+        except Exception as exc:
+            return self._describe(exc)
+        return None
+
+    def _describe(self, exc: BaseException) -> str:
+        group = self.group
+        rank = group.rank_in_group
+        try:
+            global_rank = group.ranks[rank]
+        except Exception:
+            global_rank = "?"
+        return (
+            f"owner-broadcast embedding failed in phase '{self.phase.value}' on group "
+            f"rank {rank} (global rank {global_rank}) for requests {self.request_ids}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+
+def _first_error(reports: Sequence[Report], world_size: int) -> Optional[str]:
+    failed = sorted((r for r in reports if r.error is not None), key=lambda r: r.group_rank)
+    if not failed:
+        return None
+    text = failed[0].error
+    if len(failed) > 1:
+        others = [r.group_rank for r in failed[1:]]
+        text += f" [group ranks {others} of {world_size} also failed]"
+    return text
+
+
+# --------------------------------------------------------------------------
+# A plain torch.distributed implementation of OwnerGroup
+
+
+class TorchDistributedGroup:
+    """``OwnerGroup`` over torch.distributed: objects travel on ``object_group``
+    (gloo), tensors on ``tensor_group`` (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, tensor_group=None, object_group=None):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.tensor_group = tensor_group
+        self.object_group = object_group if object_group is not None else tensor_group
+        self.ranks = list(dist.get_process_group_ranks(self.tensor_group or dist.group.WORLD))
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(dist.get_rank())
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.object_group)
+        return out
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self.ranks[src], group=self.object_group)
+        return box[0]
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._dist.broadcast(tensor, src=self.ranks[src], group=self.tensor_group)
+        return tensor
