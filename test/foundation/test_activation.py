@@ -17,17 +17,33 @@ import pytest
 from conftest import run_python
 
 CHECK_ALL_ROLES = """
-import json
+import json, logging, os
+logging.basicConfig(level=logging.INFO)
+os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = "my_company.app:asgi"
 from sglang.srt.plugins import load_plugins
 load_plugins()
-from sglang_dsv41.activation import role_status
+from sglang_dsv41.activation import role_status, verify_role, PatchNotActive
 from sglang_dsv41.patch_spec import Role
-out = {}
+out = {"app_paths": [os.environ["SGLANG_HTTP_SERVER_APP_PATH"],
+                     os.environ.get("SGLANG_DSV41_INNER_APP_PATH")]}
 for role in Role:
     applied, missing = role_status(role)
     out[role.value] = {"applied": [p.id for p in applied], "missing": [p.id for p in missing]}
 import sglang.srt.arg_groups.deepseek_v4_hook as h
 out["validator_wrapped"] = hasattr(h.validate_deepseek_v41_features, "__wrapped__")
+if out["validator_wrapped"]:
+    # The scheduler's first constructor logs the role status line.
+    from sglang.srt.managers.scheduler import Scheduler
+    try:
+        Scheduler.__init__(object.__new__(Scheduler), None, None)
+    except Exception as exc:  # the real constructor cannot run without a GPU
+        out["scheduler_ctor"] = "failed after hook: " + type(exc).__name__
+    # Undo one patch the way a later monkeypatch or a stale import would.
+    h.validate_deepseek_v41_features = h.validate_deepseek_v41_features.__wrapped__
+    try:
+        verify_role(Role.LAUNCHER)
+    except PatchNotActive as exc:
+        out["refused"] = str(exc)
 print("RESULT" + json.dumps(out))
 """
 
@@ -38,16 +54,26 @@ def _result(proc) -> dict:
     return json.loads(line[len("RESULT"):])
 
 
-def test_entry_point_discovery_applies_every_patch_for_every_role():
+def test_entry_point_discovery_applies_every_patch_and_each_role_checks_it():
     from sglang_dsv41.patch_spec import Role
-    from sglang_dsv41.patch_table import PATCHES
+    from sglang_dsv41.patch_table import PATCHES, owed_to
 
-    out = _result(run_python(CHECK_ALL_ROLES))
+    proc = run_python(CHECK_ALL_ROLES)
+    out = _result(proc)
     for role in Role:
         assert out[role.value]["missing"] == [], role
     applied = {pid for role in Role for pid in out[role.value]["applied"]}
     assert applied == {p.id for p in PATCHES}
     assert out["validator_wrapped"] is True
+    # Status line from the scheduler's constructor hook.
+    n = len(owed_to(Role.SCHEDULER))
+    assert out["scheduler_ctor"].startswith("failed after hook")
+    assert f"role=scheduler pid=" in proc.stderr
+    assert f"patches applied={n}/{n} owed" in proc.stderr
+    # A patch removed after load is caught by the launcher's verification.
+    assert "VCP-ARGS" in out["refused"] and "role=launcher" in out["refused"]
+    # A custom worker app is kept behind ours.
+    assert out["app_paths"] == ["sglang_dsv41.worker_app:app", "my_company.app:asgi"]
 
 
 def test_sglang_plugins_filter_excluding_ours_leaves_stock_code():
@@ -55,6 +81,7 @@ def test_sglang_plugins_filter_excluding_ours_leaves_stock_code():
     assert out["validator_wrapped"] is False
     assert out["launcher"]["applied"] == []
     assert "VCP-ARGS" in out["launcher"]["missing"]
+    assert out["app_paths"] == ["my_company.app:asgi", None]
 
 
 def _shadow_sglang(tmp_path: Path) -> Path:
@@ -119,51 +146,6 @@ def test_other_sglang_version_stops_loading(tmp_path):
     assert "sglang==0.5.23" in proc.stderr
 
 
-def test_verifier_refuses_a_process_where_a_patch_is_not_installed():
-    code = """
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    import sglang.srt.arg_groups.deepseek_v4_hook as h
-    # Undo the patch the way a later monkeypatch or a stale import would.
-    h.validate_deepseek_v41_features = h.validate_deepseek_v41_features.__wrapped__
-    from sglang_dsv41.activation import verify_role, PatchNotActive
-    from sglang_dsv41.patch_spec import Role
-    verify_role(Role.SCHEDULER)  # nothing of the launcher's is owed here
-    try:
-        verify_role(Role.LAUNCHER)
-    except PatchNotActive as exc:
-        print("REFUSED", exc)
-    """
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "REFUSED" in proc.stdout
-    assert "VCP-ARGS" in proc.stdout
-    assert "role=launcher" in proc.stdout
-
-
-def test_scheduler_constructor_logs_the_role_status_line():
-    code = """
-    import logging
-    logging.basicConfig(level=logging.INFO)
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    from sglang.srt.managers.scheduler import Scheduler
-    try:
-        Scheduler.__init__(object.__new__(Scheduler), None, None)
-    except Exception as exc:  # the real constructor cannot run without a GPU
-        print("CTOR-FAILED-AFTER-HOOK", type(exc).__name__)
-    """
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CTOR-FAILED-AFTER-HOOK" in proc.stdout
-    from sglang_dsv41.patch_spec import Role
-    from sglang_dsv41.patch_table import owed_to
-
-    n = len(owed_to(Role.SCHEDULER))
-    assert f"role=scheduler pid=" in proc.stderr
-    assert f"patches applied={n}/{n} owed" in proc.stderr
-
-
 WORKER = """
 import logging, os, sys
 logging.basicConfig(level=logging.INFO)
@@ -180,14 +162,8 @@ except Exception as exc:
 
 
 def test_multi_tokenizer_worker_app_path_activates_the_plugin():
-    # The launcher process: loading plugins points the worker app path at ours.
-    launcher = run_python(
-        "import os\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
-        "print('APP=' + os.environ['SGLANG_HTTP_SERVER_APP_PATH'])"
-    )
-    assert launcher.returncode == 0, launcher.stderr[-3000:]
-    app_path = next(l for l in launcher.stdout.splitlines() if l.startswith("APP="))[4:]
-    assert app_path == "sglang_dsv41.worker_app:app"
+    # The launcher sets this (checked in the entry-point test above).
+    from sglang_dsv41.loader import WORKER_APP_PATH as app_path
 
     # A worker started with that environment, as granian/uvicorn start it.
     worker = run_python(WORKER, env={"SGLANG_HTTP_SERVER_APP_PATH": app_path})
@@ -204,16 +180,3 @@ def test_multi_tokenizer_worker_app_path_activates_the_plugin():
     assert stock.returncode == 0, stock.stderr[-3000:]
     assert "PLUGINS_LOADED False" in stock.stdout
     assert "role=tokenizer_worker" not in stock.stderr
-
-
-def test_custom_worker_app_path_is_kept_behind_ours():
-    code = """
-    import os
-    os.environ["SGLANG_HTTP_SERVER_APP_PATH"] = "my_company.app:asgi"
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    print(os.environ["SGLANG_HTTP_SERVER_APP_PATH"], os.environ["SGLANG_DSV41_INNER_APP_PATH"])
-    """
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["sglang_dsv41.worker_app:app", "my_company.app:asgi"]
