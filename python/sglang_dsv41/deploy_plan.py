@@ -1,0 +1,335 @@
+"""``sglang-dsv41 plan <compose file>...``: check deployment topologies offline.
+
+For every sglang service, its ``sglang serve`` command goes through sglang
+0.5.23's own argument parser and resolution pipeline, with this plugin's
+validators active, against a tiny DeepSeek-V4.1 checkpoint shipped in the
+package (config only, no weights; no GPU needed). The resolved layouts are then
+checked across services: GPU sets, ports, router wiring, every PD pair against
+the handshake's pairing rule, Mooncake masters, healthchecks, and the flag
+combinations known to crash on the GPU. Exit status 0 means nothing was found;
+1 lists each problem with the service and the reason; 2 means a file could not
+be read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from sglang_dsv41.core.compose_model import ComposeError, Service, load_services
+from sglang_dsv41.core.topology_checks import (
+    Plan,
+    PlannedServer,
+    Problem,
+    ServerLayout,
+    check_plan,
+    mooncake_master_args,
+    parse_master,
+    parse_router,
+    router_args,
+    sglang_serve_args,
+    used_gpus,
+)
+
+TINY_CHECKPOINT = "data/tiny_dsv41"
+DSPARK_MARKER = "dspark_draft_marker.json"
+# Environment of the plan process that must not leak into a container's resolution.
+_HOST_ONLY_PREFIXES = ("SGLANG_", "SGL_", "MOONCAKE_", "MC_", "CUDA_", "NVIDIA_")
+
+
+class ResolutionFailed(Exception):
+    """sglang (or this plugin) refused a service's arguments."""
+
+
+def main(compose_files: list[str]) -> int:
+    services: list[Service] = []
+    for path in compose_files:
+        try:
+            found, env_file = load_services(path)
+        except (ComposeError, OSError) as exc:
+            print(f"plan: cannot read {path}: {exc}")
+            return 2
+        if env_file is not None and env_file.name != ".env":
+            print(f"plan: {Path(path).name}: no .env beside it; variables come from {env_file.name}")
+        services += found
+
+    plan = Plan()
+    problems: list[Problem] = []
+    servers: list[tuple[Service, list[str]]] = []
+    for service in services:
+        if (args := sglang_serve_args(service.argv)) is not None:
+            servers.append((service, args))
+        elif (args := router_args(service.argv)) is not None:
+            try:
+                plan.routers.append(parse_router(service, args))
+            except ValueError as exc:
+                problems.append(Problem(service.label, str(exc)))
+        elif (args := mooncake_master_args(service.argv)) is not None:
+            plan.masters.append(parse_master(service, args))
+    if not servers:
+        print("plan: no `sglang serve` service found in " + ", ".join(compose_files))
+        return 1
+
+    with _tiny_checkpoint() as checkpoint:
+        _load_plugins()
+        for service, args in servers:
+            try:
+                layout = resolve_layout(service, args, checkpoint)
+            except ResolutionFailed as exc:
+                problems.append(Problem(service.label, str(exc)))
+                continue
+            plan.servers.append(PlannedServer(service, layout))
+
+    problems += check_plan(plan, services)
+    _print_layouts(plan)
+    if problems:
+        print(f"\nplan: {len(problems)} problem(s):")
+        for problem in problems:
+            print(f"  ERROR {problem}")
+        return 1
+    print(f"\nplan: OK ({len(plan.servers)} sglang servers, {len(plan.routers)} routers, "
+          f"{len(plan.masters)} Mooncake masters)")
+    return 0
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@contextlib.contextmanager
+def _tiny_checkpoint():
+    """The packaged tiny config, with the bundled-DSpark-draft marker of the real
+    checkpoint merged in (sglang looks for it when DSpark is on)."""
+    source = resources.files("sglang_dsv41").joinpath(TINY_CHECKPOINT)
+    with tempfile.TemporaryDirectory(prefix="dsv41-plan-") as tmp:
+        target = Path(tmp) / "tiny_dsv41"
+        target.mkdir()
+        marker = {}
+        for entry in source.iterdir():
+            if entry.name == DSPARK_MARKER:
+                marker = json.loads(entry.read_text())
+            elif entry.is_file():
+                (target / entry.name).write_bytes(entry.read_bytes())
+        config = json.loads((target / "config.json").read_text())
+        config.update({k: v for k, v in marker.items() if not k.startswith("_")})
+        (target / "config.json").write_text(json.dumps(config, indent=1))
+        yield target
+
+
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Run sglang's plugin loading once, so our resolution hooks take part."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    _plugins_loaded = True
+
+
+@contextlib.contextmanager
+def _container_environment(service: Service):
+    """os.environ as the container would have it, for the length of one resolution."""
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update({k: v for k, v in saved.items() if not k.startswith(_HOST_ONLY_PREFIXES)})
+        os.environ.update(service.environment)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _server_argv(service: Service, args: list[str], checkpoint: Path) -> tuple[list[str], str]:
+    """The service's own arguments, with file paths read through its bind mounts and
+    every model path pointed at the tiny checkpoint; and what identifies the model
+    the service really serves (its directory on the host, where it is mounted)."""
+    from sglang.cli.serve import _extract_model_type_override, _normalize_positional_model_path
+
+    _backend, argv = _extract_model_type_override(list(args))
+    argv, _ = _normalize_positional_model_path(argv)
+    argv = list(argv)
+    for n, token in enumerate(argv):
+        if token == "--config" and n + 1 < len(argv):
+            argv[n + 1] = str(_readable(service, argv[n + 1], "--config"))
+    declared = _declared_model_path(argv)
+    host_model = service.host_path(declared) if declared else None
+    identity = str(host_model) if host_model else (declared or "")
+    overrides = ["--model-path", str(checkpoint), "--device", "cuda"]
+    for flag in ("--tokenizer-path", "--speculative-draft-model-path"):
+        if any(t == flag or t.startswith(flag + "=") for t in argv):
+            overrides += [flag, str(checkpoint)]
+    # argparse keeps the last occurrence, and --config values come first.
+    return argv + overrides, identity
+
+
+def _declared_model_path(argv: list[str]) -> str | None:
+    """--model-path as sglang's parser reads it, --config file included."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser(prog="sglang serve", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            merged = ConfigArgumentMerger(parser).merge_config_with_args(argv) if "--config" in argv else argv
+            known, _ = parser.parse_known_args(merged)
+    except (SystemExit, ValueError):
+        return None  # the full parse below reports the error
+    return getattr(known, "model_path", None)
+
+
+def _readable(service: Service, container_path: str, what: str) -> Path:
+    host_path = service.host_path(container_path)
+    if host_path is None:
+        raise ResolutionFailed(f"{what} {container_path} is not inside any bind mount of the service")
+    if not host_path.exists():
+        raise ResolutionFailed(f"{what} {container_path} is mounted from {host_path}, which does not exist")
+    return host_path
+
+
+def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> ServerLayout:
+    from sglang.srt.arg_groups.model_override_base import model_config_of, resolving_view
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_v4
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import override_platform, parallel_widths_of
+    from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA, prepare_server_args
+
+    argv, model_identity = _server_argv(service, args, checkpoint)
+    captured = io.StringIO()
+    with _container_environment(service):
+        try:
+            with contextlib.redirect_stderr(captured), override_platform(is_cuda=True, is_hip=False):
+                server_args = prepare_server_args(argv)
+                server_args.resolve_once()
+        except SystemExit:
+            lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
+            raise ResolutionFailed("sglang serve rejects the command line: "
+                                   + (lines[-1] if lines else "argument error")) from None
+        except ResolutionFailed:
+            raise
+        except Exception as exc:
+            raise ResolutionFailed(f"sglang refuses these arguments: {exc}") from None
+        view = resolving_view(server_args)
+        widths = parallel_widths_of(view)
+        model_config = model_config_of(server_args)
+        hf_config = model_config.hf_config
+        all_cp_ranks_transfer = bool(envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())
+        mooncake_master = _mooncake_master(service, view) if (
+            view.enable_hierarchical_cache and view.hicache_storage_backend == "mooncake") else None
+
+    derived: tuple[int, ...] = ()
+    if widths["attn_dp_size"] > 1 and view.nnodes == 1 and not view.dist_init_addr:
+        # DP attention binds ZMQ ports next to --port + ZMQ_TCP_PORT_DELTA (PortArgs.init_new).
+        dist_init_port = view.port + ZMQ_TCP_PORT_DELTA
+        derived = tuple(range(dist_init_port, dist_init_port + 7))
+    spec = str(view.speculative_algorithm or "").upper()
+    vision_layers = int(getattr(hf_config, "vision_n_layers", 0) or 0)
+    return ServerLayout(
+        tp_size=int(view.tp_size),
+        pp_size=int(view.pp_size),
+        nnodes=int(view.nnodes),
+        ep_size=int(view.ep_size),
+        dp_size=int(view.dp_size),
+        attn_tp_size=int(widths["attn_tp_size"]),
+        attn_dp_size=int(widths["attn_dp_size"]),
+        attn_cp_size=int(view.attn_cp_size),
+        base_gpu_id=int(view.base_gpu_id),
+        gpu_id_step=int(view.gpu_id_step),
+        port=int(view.port),
+        disaggregation_mode=str(view.disaggregation_mode),
+        bootstrap_port=int(view.disaggregation_bootstrap_port) if view.disaggregation_bootstrap_port else None,
+        transfer_backend=view.disaggregation_transfer_backend,
+        dspark=spec == "DSPARK",
+        speculative_num_draft_tokens=view.speculative_num_draft_tokens,
+        decoder_swa_bounded_replay=bool(view.enable_decoder_swa_bounded_replay),
+        enable_prefill_cp=bool(view.enable_prefill_cp),
+        cp_strategy=view.cp_strategy,
+        hierarchical_cache=bool(view.enable_hierarchical_cache),
+        hicache_storage_backend=view.hicache_storage_backend,
+        vision=vision_layers > 0 and not view.language_model_only,
+        kv_cache_dtype=str(view.kv_cache_dtype),
+        page_size=int(view.page_size),
+        model_type=str(getattr(hf_config, "model_type", "")),
+        model_identity=model_identity,
+        # DeepSeek-V4's pool (DeepSeekV4TokenToKVPool) is MLA-style: replicated across
+        # attention TP ranks, which is what lets differently shaped PD pairs transfer.
+        kv_pool="mla" if (is_deepseek_v4(hf_config) or model_config.attention_arch == AttentionArch.MLA) else None,
+        all_cp_ranks_transfer=all_cp_ranks_transfer,
+        derived_ports=derived,
+        mooncake_master=mooncake_master,
+    )
+
+
+def _mooncake_master(service: Service, view) -> str | None:
+    """The master address the Mooncake store would use, read the way sglang reads it."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStoreConfig
+
+    extra = view.hicache_storage_backend_extra_config
+    if extra and extra.startswith("@"):
+        extra = "@" + str(_readable(service, extra[1:], "--hicache-storage-backend-extra-config"))
+    try:
+        extra_config = HybridCacheController.parse_storage_backend_extra_config(extra)[0]
+        if extra_config.get("master_server_address") or extra_config.get("client_server_address"):
+            config = MooncakeStoreConfig.load_from_extra_config(extra_config)
+        elif os.environ.get("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+            container_path = os.environ["SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"]
+            os.environ["SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"] = str(
+                _readable(service, container_path, "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"))
+            config = MooncakeStoreConfig.from_file()
+        else:
+            config = MooncakeStoreConfig.load_from_env()
+    except ResolutionFailed:
+        raise
+    except Exception as exc:
+        raise ResolutionFailed(f"the Mooncake store configuration is unusable: {exc}") from None
+    return config.master_server_address or None
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _print_layouts(plan: Plan) -> None:
+    for server in plan.servers:
+        svc, lay = server.service, server.layout
+        gpus, _ = used_gpus(server)
+        role = {"null": "no PD", "prefill": f"PD prefill (bootstrap {lay.bootstrap_port})",
+                "decode": "PD decode"}.get(lay.disaggregation_mode, lay.disaggregation_mode)
+        cp = f"attention CP {lay.attn_cp_size}"
+        if lay.enable_prefill_cp:
+            cp += f" ({lay.cp_strategy})"
+        hicache = "off"
+        if lay.hierarchical_cache:
+            hicache = f"L2 + L3 {lay.hicache_storage_backend}" if lay.hicache_storage_backend else "L2"
+            if lay.mooncake_master:
+                hicache += f" (master {lay.mooncake_master})"
+        dspark = f"on ({lay.speculative_num_draft_tokens} verify tokens)" if lay.dspark else "off"
+        print(f"{svc.label} [host {svc.host}] port {lay.port}, GPUs "
+              f"{','.join(gpus) if gpus else '?'}")
+        print(f"    TP {lay.tp_size}, EP {lay.ep_size}, DP {lay.dp_size}, attention TP {lay.attn_tp_size}, "
+              f"attention DP {lay.attn_dp_size}, {cp}; {role}; DSpark {dspark}; "
+              f"decoder SWA replay {'on' if lay.decoder_swa_bounded_replay else 'off'}; "
+              f"hierarchical cache {hicache}; vision {'on' if lay.vision else 'off'}")
+    for router in plan.routers:
+        targets = ([f"prefill {u}" + (f" (bootstrap {b})" if b else "") for u, b in router.prefill]
+                   + [f"decode {u}" for u in router.decode] + list(router.workers))
+        print(f"{router.service.label} [host {router.service.host}] router on port {router.port} -> "
+              + ", ".join(targets))
+    for master in plan.masters:
+        print(f"{master.service.label} [host {master.service.host}] Mooncake master on port {master.rpc_port}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
