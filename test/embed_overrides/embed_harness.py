@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookType, _wrap_fn  # noqa: E402
-from sglang.srt.runtime_context import get_context, publish, reset_context  # noqa: E402
+from sglang.srt.runtime_context import get_context, get_parallel, publish, reset_context  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
@@ -142,6 +142,8 @@ def publish_scheduler_context() -> None:
     publish(ServerArgs(model_path="dummy"), role="scheduler")
     # Scheduler.__init__ derives this default; admission reads it.
     get_context().override("test.pp_max_micro_batch_size", pp_max_micro_batch_size=64)
+    # a single-rank scheduler (set_finish_with_abort logs on TP rank 0)
+    get_parallel().override_permanently(tp_rank=0)
 
 
 class SchedulerRig:
