@@ -504,14 +504,14 @@ class OwnerSession:
         self, requests: List[SpanRequest], cache: EmbeddingCache, encode: SpanEncoder
     ) -> Dict[SpanKey, torch.Tensor]:
         features: Dict[SpanKey, torch.Tensor] = {}
-        manifest, error = None, None
+        manifest, error, cause = None, None, None
         try:
             self._enter(Phase.MANIFEST)
             manifest = self._build_manifest(requests, cache, features)
         except Exception as exc:
-            error = self._describe(exc)
+            error, cause = self._describe(exc), exc
             features.clear()
-        plan = self._exchange_manifest(manifest, error)
+        plan = self._exchange_manifest(manifest, error, cause)
 
         self._enter(Phase.PLAN)
         if len(plan.actions) != len(requests) or len(plan.owners) != len(requests):
@@ -523,13 +523,13 @@ class OwnerSession:
             return features
 
         payloads: Dict[int, torch.Tensor] = {}
-        error = None
+        error, cause = None, None
         try:
             payloads = self._prepare_payloads(requests, plan, features, encode)
             self._synchronize(self.device)
         except Exception as exc:
-            error = self._describe(exc)
-        self._agree(error)
+            error, cause = self._describe(exc), exc
+        self._agree(error, cause)
 
         with self.collective():
             # Nothing may fail between the agreement above and the broadcasts:
@@ -707,7 +707,12 @@ class OwnerSession:
 
     # -- agreement ---------------------------------------------------------
 
-    def _exchange_manifest(self, manifest: Optional[Manifest], error: Optional[str]) -> Plan:
+    def _exchange_manifest(
+        self,
+        manifest: Optional[Manifest],
+        error: Optional[str],
+        cause: Optional[BaseException] = None,
+    ) -> Plan:
         group = self.group
         report = Report(group_rank=group.rank_in_group, error=error, manifest=manifest)
         with self.collective():
@@ -720,7 +725,7 @@ class OwnerSession:
         plan = _plan_codec.decode(plan_bytes)
         if plan.error is not None:
             self._state = _State.DONE
-            raise OwnerProtocolError(plan.error)
+            raise OwnerProtocolError(plan.error) from cause
         return plan
 
     def _plan_from(self, gathered: List[bytes]) -> Plan:
@@ -763,7 +768,7 @@ class OwnerSession:
                 RuntimeError(f"{step} reached in protocol state {self._state.value}")
             )
         if self._state is _State.AWAIT_MANIFEST:
-            self._exchange_manifest(None, text)  # raises: the plan carries the error
+            self._exchange_manifest(None, text, cause)  # raises: the plan carries the error
         if self._state is _State.DONE:
             raise RuntimeError(f"owner protocol {step} after the session ended")
         self._agree(text, cause=cause)
@@ -794,10 +799,7 @@ class OwnerSession:
             return
         text = self._describe(exc)
         if self._state is _State.AWAIT_MANIFEST:
-            try:
-                self._exchange_manifest(None, text)
-            except OwnerProtocolError as agreed:
-                raise agreed from exc
+            self._exchange_manifest(None, text, exc)
         self._agree(text, cause=exc)
 
     # -- text --------------------------------------------------------------

@@ -1,0 +1,258 @@
+"""One of two ranks running the real sglang 0.5.23 input preparation with our hooks.
+
+Run as ``python adapter_worker.py RANK STORE_FILE OUT_FILE`` in two processes.
+Only this package's owner-broadcast patches are registered (through sglang's
+own HookRegistry). The model is a DeepseekV4ForCausalLM whose heavy parts are
+left out: a real vocab-parallel text embedding split over the two ranks, a
+counting stand-in for the vision tower, and real MultimodalDataItems. Every
+call goes through the real ``prepare_language_model_inputs``,
+``embed_mm_inputs``, ``get_embedding_and_mask`` and
+``_get_chunked_prefill_embedding`` of sglang 0.5.23, over a real
+GroupCoordinator on gloo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OWN_IDS = ("OWN-GROUP", "OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
+WIDTH = 8
+VOCAB = 32
+IMAGE_TOKEN_ID = 31
+
+
+def image_span(content_hash: int, span_len: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(content_hash % 100_003)
+    return torch.randn(span_len, WIDTH, generator=generator)
+
+
+def full_text_table() -> torch.Tensor:
+    return torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(3))
+
+
+def main():
+    rank, store, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("sglang_dsv41").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=90))
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_dsv41 import loader
+    from sglang_dsv41.patch_table import by_id
+
+    for patch_id in OWN_IDS:
+        loader._register(by_id()[patch_id])
+    HookRegistry.apply_hooks()
+
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.runtime_context import get_parallel
+
+    coordinator = GroupCoordinator(
+        [[0, 1]], local_rank=rank, torch_distributed_backend="gloo", use_pynccl=False,
+        use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+        use_hpu_communicator=False, use_xpu_communicator=False, group_name="owner_adapter_test",
+    )
+    counts = {"all_gather_object": 0, "broadcast": 0}
+    real_gather, real_broadcast = coordinator.all_gather_object, coordinator.broadcast
+
+    def counted_gather(obj):
+        counts["all_gather_object"] += 1
+        return real_gather(obj)
+
+    def counted_broadcast(tensor, src=0):
+        counts["broadcast"] += 1
+        return real_broadcast(tensor, src=src)
+
+    coordinator.all_gather_object = counted_gather
+    coordinator.broadcast = counted_broadcast
+
+    with get_parallel().override(
+        tp_size=2, tp_rank=rank, attn_dp_size=1, attn_cp_size=1, attn_tp_size=2,
+        attn_tp_rank=rank, tp_group=coordinator, attn_tp_group=coordinator,
+        pp_group=SimpleNamespace(world_size=1, is_last_rank=True),
+    ):
+        results = run_all(rank, coordinator, counts)
+    with open(out_path, "w") as handle:
+        json.dump(results, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_all(rank, coordinator, counts):
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.managers import mm_schedule
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    from sglang_dsv41.core.owner_embedding import OwnerProtocolError
+    from sglang_dsv41.hooks import owner_broadcast
+
+    embed = VocabParallelEmbedding(VOCAB, WIDTH)
+    table = full_text_table()
+    shard = embed.shard_indices
+    with torch.no_grad():
+        embed.weight.zero_()
+        rows = shard.org_vocab_end_index - shard.org_vocab_start_index
+        embed.weight[:rows] = table[shard.org_vocab_start_index : shard.org_vocab_end_index]
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = embed
+
+        def get_input_embeddings(self):
+            return self.embed_tokens
+
+    class VisionModel(DeepseekV4ForCausalLM):
+        """The real class; only what input preparation reads is built."""
+
+        def __init__(self, fail_hash=None):
+            nn.Module.__init__(self)
+            self.config = SimpleNamespace(hidden_size=WIDTH, image_token_id=IMAGE_TOKEN_ID,
+                                          vision_downsample_ratio=3)
+            self.vision = object()
+            self.image_start = nn.Parameter(torch.zeros(WIDTH))
+            self.model = Body()
+            self.encoded = []
+            self.fail_hash = fail_hash
+
+        def get_image_feature(self, items):
+            for item in items:
+                if item.hash == self.fail_hash:
+                    raise RuntimeError(f"vision tower failed on {item.hash}")
+            self.encoded.extend(item.hash for item in items)
+            return [image_span(item.hash, tokens_of((item.n_vit_h, item.n_vit_w)))
+                    for item in items]
+
+    def image(content_hash, start, grid):
+        n_vit_h, n_vit_w = grid
+        item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(3, 4),
+                                  offsets=[(start, start + tokens_of(grid) - 1)])
+        item.set_hash(content_hash)
+        item.model_specific_data.update(n_vit_h=n_vit_h, n_vit_w=n_vit_w)
+        return item
+
+    def tokens_of(grid):
+        n_h, n_w = (-(-grid[0] // 3), -(-grid[1] // 3))
+        return 2 + n_h * (n_w + 1)
+
+    def request(length, images):
+        """Token ids of one prompt: text ids around the images' placeholder runs."""
+        ids = [(7 * i + 1) % (VOCAB - 1) for i in range(length)]
+        for item in images:
+            start, end = item.offsets[0]
+            ids[start : end + 1] = item.padding_sequence(end - start + 1)
+        return ids, MultimodalInputs(mm_items=images, im_token_id=IMAGE_TOKEN_ID)
+
+    def expected_embeds(prompt_ids, images, prefix, extend):
+        rows = []
+        for position in range(prefix, prefix + extend):
+            owner = next((i for i in images if i.offsets[0][0] <= position <= i.offsets[0][1]), None)
+            if owner is None:
+                rows.append(table[prompt_ids[position]])
+            else:
+                start, end = owner.offsets[0]
+                rows.append(image_span(owner.hash, end - start + 1)[position - start])
+        return torch.stack(rows)
+
+    def run(name, requests, *, mode=ForwardMode.EXTEND, env="1", fail_hash=None,
+            keep_cache=False, lookup_fails_on=None):
+        """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend)."""
+        os.environ[owner_broadcast.ENV_SWITCH] = env
+        model = VisionModel(fail_hash=fail_hash)
+        owner_broadcast.after_model_init(None, model)  # what OWN-GROUP runs after __init__
+        if not keep_cache:
+            mm_schedule.init_mm_embedding_cache(1 << 26)
+        if lookup_fails_on == rank:
+
+            def failing_lookup(_ids):
+                raise RuntimeError("text lookup failed")
+
+            embed.__dict__["_embed_local_shard"] = failing_lookup
+        counts.update(all_gather_object=0, broadcast=0)
+        input_ids = torch.tensor(
+            [t for prompt, _mm, _im, prefix, extend in requests for t in prompt[prefix : prefix + extend]],
+            dtype=torch.long,
+        )
+        batch = SimpleNamespace(
+            forward_mode=mode,
+            mm_inputs=[mm for _p, mm, _im, _pre, _ext in requests],
+            extend_prefix_lens_cpu=[pre for *_x, pre, _ext in requests],
+            extend_seq_lens_cpu=[ext for *_x, ext in requests],
+            rids=[f"{name}-{i}" for i in range(len(requests))],
+            mm_input_embeds=None,
+        )
+        out = {"name": name, "rank": rank, "group": repr(model.mm_owner_group)}
+        try:
+            ids, embeds = model.prepare_language_model_inputs(input_ids, batch, None)
+            out["status"] = "ok"
+            if embeds is not None:
+                expected = torch.cat([expected_embeds(p, im, pre, ext)
+                                      for p, _mm, im, pre, ext in requests])
+                out["embeds_match"] = bool(torch.equal(embeds, expected))
+                out["digest"] = hashlib.sha256(embeds.detach().numpy().tobytes()).hexdigest()
+            out["ids_in_vocab"] = bool((ids < VOCAB).all())
+            out["image_ids"] = ids.tolist().count(IMAGE_TOKEN_ID)
+        except OwnerProtocolError as exc:
+            out.update(status="agreed-error", error=str(exc))
+        except Exception as exc:
+            out.update(status="local-error", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            embed.__dict__.pop("_embed_local_shard", None)
+        out.update(encoded=sorted(model.encoded), **counts)
+        cache = mm_schedule.embedding_cache
+        out["cached"] = sorted(cache.mm_cache)
+        return out
+
+    # Two prompts; image 101 occurs in both (one span, encoded once).
+    a_images = [image(101, 2, (6, 6)), image(202, 14, (3, 3))]  # 8 and 4 tokens
+    b_images = [image(101, 1, (6, 6)), image(303, 11, (6, 3))]  # 8 and 6 tokens
+    a_ids, a_mm = request(20, a_images)
+    b_ids, b_mm = request(19, b_images)
+    text_ids, _ = request(6, [])
+
+    results = [
+        run("owner", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)]),
+        # A chunk that starts inside image 101 and stops inside image 202.
+        # The same chunk again: every span is cached on both ranks.
+        run("warm", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            keep_cache=True),
+        run("partial", [(a_ids, a_mm, a_images, 5, 11)]),
+        # The chunk holds only text of an image prompt: no session engaged.
+        run("text-chunk", [(a_ids, a_mm, a_images, 18, 2)]),
+        # Images in the batch but not in this request's chunk, next to a text prompt.
+        run("mixed", [(text_ids, None, [], 0, 6), (b_ids, b_mm, b_images, 0, 19)]),
+        run("decode", [(a_ids, a_mm, a_images, 0, 20)], mode=ForwardMode.DECODE),
+        run("disabled", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)], env="0"),
+        run("encode-fails", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            fail_hash=303),
+        run("lookup-fails", [(b_ids, b_mm, b_images, 0, 19)], lookup_fails_on=0),
+        run("after-failure", [(b_ids, b_mm, b_images, 0, 19)]),
+    ]
+    results.append({
+        "name": "installed",
+        "rank": rank,
+        "init_wrapped": hasattr(DeepseekV4ForCausalLM.__init__, "__wrapped__"),
+        "fence_wrapped": hasattr(DeepseekV4ForCausalLM.prepare_language_model_inputs, "__wrapped__"),
+        "mm_replaced": hasattr(DeepseekV4ForCausalLM._prepare_mm_embeddings, "__wrapped__"),
+        "encode_wrapped": hasattr(mm_schedule._batch_encode_per_image_misses, "__wrapped__"),
+    })
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Our hooks inside the real sglang 0.5.23 input preparation, two ranks on gloo.
+
+adapter_worker.py registers only the owner-broadcast patches through sglang's
+HookRegistry and drives DeepseekV4ForCausalLM.prepare_language_model_inputs
+through embed_mm_inputs and the chunked per-image scheduling code. Here we
+check which path each chunk took and what it produced.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("adapter_worker.py")
+PROCESS_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapters")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(tmp / "store"), str(tmp / f"out{rank}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=PROCESS_TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"adapter ranks did not finish within {PROCESS_TIMEOUT_S}s (hang)")
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{logs[rank][-4000:]}"
+    by_name = {}
+    for rank in (0, 1):
+        for result in json.loads((tmp / f"out{rank}.json").read_text()):
+            by_name.setdefault(result["name"], {})[rank] = result
+    by_name["_logs"] = logs
+    return by_name
+
+
+def both(results, name):
+    ranks = results[name]
+    assert sorted(ranks) == [0, 1]
+    return ranks[0], ranks[1]
+
+
+pytestmark = pytest.mark.timeout(500)
+
+
+def test_hooks_are_installed_by_sglangs_registry(results):
+    for r in both(results, "installed"):
+        assert r["init_wrapped"] and r["fence_wrapped"] and r["mm_replaced"] and r["encode_wrapped"]
+
+
+def test_image_chunk_takes_the_owner_path(results):
+    r0, r1 = both(results, "owner")
+    for r in (r0, r1):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["group"].startswith("CoordinatorGroup(") and "ranks=[0, 1]" in r["group"]
+        # manifest, pre-broadcast agreement, features_ready, fence end
+        assert r["all_gather_object"] == 4
+        assert r["cached"] == [101, 202, 303]
+        assert r["ids_in_vocab"] and r["image_ids"] == 8 + 4 + 8 + 6
+    assert r0["digest"] == r1["digest"]
+    # Each distinct image once in the group, by its owner (hash mod 2); image
+    # 101 sits in both prompts and is still encoded once.
+    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+
+
+def test_stock_path_is_byte_identical_and_encodes_everywhere(results):
+    owner0, _ = both(results, "owner")
+    for r in both(results, "disabled"):
+        assert r["group"] == "None"
+        assert r["status"] == "ok" and r["embeds_match"]
+        assert r["encoded"] == [101, 202, 303], "stock sglang encodes every image on every rank"
+        assert r["all_gather_object"] == 0 and r["broadcast"] == 0
+        assert r["digest"] == owner0["digest"]
+
+
+def test_cached_chunk_skips_encoder_and_broadcast(results):
+    for r in both(results, "warm"):
+        assert r["status"] == "ok" and r["embeds_match"]
+        assert r["encoded"] == [] and r["broadcast"] == 0
+        assert r["all_gather_object"] == 3  # manifest, features_ready, fence end
+
+
+def test_partial_image_spans_in_a_chunk(results):
+    r0, r1 = both(results, "partial")
+    assert r0["status"] == r1["status"] == "ok"
+    assert r0["embeds_match"] and r1["embeds_match"] and r0["digest"] == r1["digest"]
+    # tokens 5..15: the tail of image 101 (5..9) and the start of image 202 (14..15)
+    assert r0["image_ids"] == 5 + 2
+    # whole spans are encoded and cached even when the chunk holds only part
+    assert r0["encoded"] + r1["encoded"] == [202, 101]
+    assert r0["cached"] == r1["cached"] == [101, 202]
+
+
+def test_no_image_span_in_the_chunk_keeps_the_stock_path(results):
+    for name in ("text-chunk", "decode"):
+        for r in both(results, name):
+            assert r["status"] == "ok", r
+            assert r["all_gather_object"] == 0 and r["broadcast"] == 0, name
+            assert r["encoded"] == []
+    for r in both(results, "text-chunk"):
+        assert r["embeds_match"] and r["image_ids"] == 0
+
+
+def test_text_prompt_beside_an_image_prompt(results):
+    r0, r1 = both(results, "mixed")
+    assert r0["status"] == r1["status"] == "ok"
+    assert r0["embeds_match"] and r0["digest"] == r1["digest"]
+    assert r0["encoded"] == [] and r1["encoded"] == [101, 303]
+
+
+@pytest.mark.parametrize(
+    "name, phase, rank, fragment",
+    [
+        ("encode-fails", "encode", 1, "vision tower failed on 303"),
+        ("lookup-fails", "text-embedding", 0, "text lookup failed"),
+    ],
+)
+def test_failure_on_one_rank_is_the_same_error_on_both(results, name, phase, rank, fragment):
+    r0, r1 = both(results, name)
+    assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
+    assert r0["error"] == r1["error"]
+    text = r0["error"]
+    assert f"phase '{phase}' on group rank {rank} (global rank {rank})" in text
+    assert f"requests ['{name}-0'" in text and fragment in text
+    if phase == "encode":
+        assert r0["cached"] == r1["cached"] == [], "nothing cached from a failed chunk"
+        assert r0["broadcast"] == r1["broadcast"] == 0
+
+
+def test_group_keeps_working_after_agreed_failures(results):
+    r0, r1 = both(results, "after-failure")
+    assert r0["status"] == r1["status"] == "ok"
+    assert r0["embeds_match"] and r0["digest"] == r1["digest"]
+
+
+def test_decision_is_logged_once_per_process(results):
+    for log in results["_logs"]:
+        lines = [l for l in log.splitlines() if "owner-broadcast embedding:" in l]
+        assert len(lines) == 1, lines
+        assert "on over the attn_tp group (2 ranks)" in lines[0]

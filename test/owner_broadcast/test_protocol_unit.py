@@ -1,0 +1,437 @@
+"""Unit tests of the owner protocol's pieces, in one process (no sglang import).
+
+The session tests use a one-rank group: every collective of a group of one is
+exact (the gathered list is the rank's own object), so the protocol runs its
+real code path; multi-rank behaviour is in test_gloo_group.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_dsv41.core.owner_embedding import (
+    Action,
+    ItemView,
+    Manifest,
+    OwnerProtocolError,
+    OwnerSession,
+    Phase,
+    SpanManifestKey,
+    SpanRequest,
+    canonical_geometry,
+    chunk_has_owner_spans,
+    make_plan,
+    owner_of,
+    select_owner_group_kind,
+    split_encoder_output,
+)
+
+WIDTH = 4
+
+
+def manifest(keys, cached, *, rids=("r1",), dtype="torch.float32", width=WIDTH):
+    return Manifest(
+        keys=[SpanManifestKey(content_hash=h, span_len=n, geometry=(n,)) for h, n in keys],
+        cached=list(cached),
+        dtype=dtype,
+        width=width,
+        request_ids=list(rids),
+    )
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_plan_actions_and_owners():
+    keys = [(10, 3), (11, 2), (12, 5), (13, 1)]
+    manifests = [
+        manifest(keys, [True, True, False, False]),  # rank 0
+        manifest(keys, [True, False, False, True]),  # rank 1
+        manifest(keys, [True, True, True, False]),  # rank 2
+    ]
+    plan = make_plan(manifests)
+    assert plan.error is None
+    assert plan.owners == [owner_of(h, 3) for h, _ in keys] == [1, 2, 0, 1]
+    assert plan.actions == [
+        Action.LOCAL_HIT,  # cached everywhere
+        Action.OWNER_CACHE_BROADCAST,  # owner 2 holds it, rank 1 does not
+        Action.OWNER_ENCODE_BROADCAST,  # owner 0 lacks it, though rank 2 has it
+        Action.OWNER_CACHE_BROADCAST,  # owner 1 holds it
+    ]
+    assert plan.transfer_indices(1) == [3]
+    assert plan.transfer_indices(2) == [1]
+    assert plan.transfer_indices(0) == [2]
+    assert plan.has_transfers()
+
+
+def test_plan_without_transfers_when_everything_is_cached():
+    keys = [(4, 2), (5, 2)]
+    plan = make_plan([manifest(keys, [True, True]), manifest(keys, [True, True])])
+    assert plan.actions == [Action.LOCAL_HIT, Action.LOCAL_HIT]
+    assert not plan.has_transfers()
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [
+        (dict(rids=("r1", "r2")), "request_ids"),
+        (dict(keys=[(10, 4)]), "keys"),
+        (dict(dtype="torch.bfloat16"), "dtype"),
+        (dict(width=WIDTH + 1), "width"),
+    ],
+)
+def test_plan_rejects_ranks_that_disagree(other, named):
+    base = dict(keys=[(10, 3)], cached=[False])
+    lead = manifest(**base)
+    args = dict(base)
+    args.update({k: v for k, v in other.items()})
+    peer = manifest(**args)
+    with pytest.raises(ValueError, match=rf"group ranks 0 and 2 disagree.*{named}"):
+        make_plan([lead, lead, peer])
+
+
+def test_plan_rejects_a_different_geometry():
+    lead = manifest([(10, 3)], [False])
+    peer = Manifest(
+        keys=[SpanManifestKey(content_hash=10, span_len=3, geometry=(9,))],
+        cached=[False], dtype="torch.float32", width=WIDTH, request_ids=["r1"],
+    )
+    with pytest.raises(ValueError, match="keys"):
+        make_plan([lead, peer])
+
+
+def test_owner_is_content_hash_modulo_group_size():
+    assert [owner_of(h, 4) for h in (0, 5, 10, 2**64 - 1)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "tp, dp, cp, pp, kind",
+    [
+        (8, 1, 1, 1, "attn_tp"),  # plain TP
+        (8, 2, 1, 1, "attn_tp"),  # attention DP: replication inside each DP group
+        (8, 8, 1, 1, None),  # pure attention DP: nothing replicated
+        (8, 1, 8, 1, "attn_cp"),  # prefill CP over the whole TP group
+        (8, 1, 4, 1, None),  # CP smaller than TP: members run different shards
+        (8, 2, 4, 1, None),
+        (1, 1, 1, 1, None),
+        (8, 1, 1, 2, None),  # pipeline parallel: vision is refused upstream anyway
+    ],
+)
+def test_owner_group_kind(tp, dp, cp, pp, kind):
+    assert select_owner_group_kind(tp_size=tp, attn_dp_size=dp, attn_cp_size=cp, pp_size=pp) == kind
+
+
+# ------------------------------------------------ engagement from host metadata
+
+
+def test_engaged_only_when_a_span_overlaps_the_chunk():
+    image = [ItemView(offsets=[(5, 14)])]
+    # prefix 0, extend 8: tokens 0..7 overlap the span 5..14
+    assert chunk_has_owner_spans([image], [0], [8])
+    # prefix 15: the span lies wholly in the prefix
+    assert not chunk_has_owner_spans([image], [15], [10])
+    # the chunk ends right before the span
+    assert not chunk_has_owner_spans([image], [0], [5])
+    # the last span token is the first chunk token
+    assert chunk_has_owner_spans([image], [14], [3])
+    # nothing extended for this request
+    assert not chunk_has_owner_spans([image], [0], [0])
+    # extend lengths shorter than the request list count as zero
+    assert not chunk_has_owner_spans([[], image], [0, 0], [4])
+    assert chunk_has_owner_spans([[], image], [0, 0], [4, 6])
+
+
+def test_not_engaged_for_precomputed_or_multi_run_items():
+    assert not chunk_has_owner_spans([[ItemView(offsets=[(0, 3)], precomputed=True)]], [0], [9])
+    # one precomputed item anywhere sends the batch down another path
+    assert not chunk_has_owner_spans(
+        [[ItemView(offsets=[(0, 3)])], [ItemView(offsets=[(0, 3)], precomputed=True)]],
+        [0, 0], [9, 9],
+    )
+    assert not chunk_has_owner_spans([[ItemView(offsets=[(0, 3), (6, 8)])]], [0], [9])
+    assert not chunk_has_owner_spans([[]], [0], [9])
+
+
+# ---------------------------------------------------------------- split
+
+
+def test_split_of_one_batched_tensor():
+    encoded = torch.arange(6 * WIDTH, dtype=torch.float32).view(6, WIDTH)
+    spans = split_encoder_output(encoded, [2, 3, 1])
+    assert [tuple(s.shape) for s in spans] == [(2, WIDTH), (3, WIDTH), (1, WIDTH)]
+    assert torch.equal(torch.cat(spans), encoded)
+    # a leading batch dimension is flattened away
+    spans = split_encoder_output(encoded.view(1, 6, WIDTH), [4, 2])
+    assert torch.equal(spans[1], encoded[4:])
+
+
+def test_split_of_per_item_tensors():
+    a, b = torch.ones(1, 2, WIDTH), torch.zeros(3, WIDTH)
+    spans = split_encoder_output([a, b], [2, 3])
+    assert tuple(spans[0].shape) == (2, WIDTH) and spans[1] is b
+
+
+@pytest.mark.parametrize(
+    "encoded, lens, message",
+    [
+        (torch.zeros(5, WIDTH), [2, 2], "5 rows for spans of \\[2, 2\\]"),
+        ([torch.zeros(2, WIDTH)], [2, 2], "1 spans for 2 images"),
+        ([torch.zeros(2, WIDTH), "x"], [2, 2], "str, not a tensor"),
+        ({"a": 1}, [2], "dict, not tensors"),
+    ],
+)
+def test_split_rejects_mismatched_output(encoded, lens, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        split_encoder_output(encoded, lens)
+
+
+def test_canonical_geometry_is_plain_and_order_free():
+    a = canonical_geometry((3, 4, {"b": 2, "a": [1, 2]}))
+    b = canonical_geometry([3, 4, {"a": (1, 2), "b": 2}])
+    assert a == b == (3, 4, (("a", (1, 2)), ("b", 2)))
+    assert canonical_geometry(torch.zeros(2, 3)) == ("tensor", (2, 3), "torch.float32")
+
+
+# ------------------------------------------------- sessions on a one-rank group
+
+
+class OneRankGroup:
+    """A real group of one: every collective returns this rank's own data."""
+
+    def __init__(self, global_rank=7, fail_broadcast=False):
+        self.rank_in_group = 0
+        self.world_size = 1
+        self.ranks = [global_rank]
+        self.fail_broadcast = fail_broadcast
+        self.calls = []
+
+    def all_gather_object(self, obj):
+        self.calls.append("all_gather_object")
+        return [obj]
+
+    def broadcast_object(self, obj=None, src=0):
+        self.calls.append("broadcast_object")
+        return obj
+
+    def broadcast(self, tensor, src=0):
+        self.calls.append("broadcast")
+        if self.fail_broadcast:
+            raise RuntimeError("link down")
+        return tensor
+
+
+class DictCache:
+    def __init__(self, entries=None):
+        self.entries = dict(entries or {})
+        self.freed = []
+
+    def get(self, content_hash):
+        return self.entries.get(content_hash)
+
+    def set(self, content_hash, span):
+        self.entries[content_hash] = span
+        return True
+
+    def free(self, content_hash):
+        self.freed.append(content_hash)
+        self.entries.pop(content_hash, None)
+
+
+def span_for(content_hash, span_len, dtype=torch.float32):
+    return torch.full((span_len, WIDTH), float(content_hash), dtype=dtype)
+
+
+class Encoder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, requests):
+        self.calls.append([r.content_hash for r in requests])
+        return [span_for(r.content_hash, r.span_len) for r in requests]
+
+
+def session(group=None, **kwargs):
+    args = dict(
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        width=WIDTH,
+        request_ids=["req-a", "req-b"],
+        signature=lambda item, span_len: item,
+    )
+    args.update(kwargs)
+    return OwnerSession(group or OneRankGroup(), **args)
+
+
+def requests(*pairs, item=("grid", 1)):
+    return [SpanRequest(content_hash=h, span_len=n, item=item) for h, n in pairs]
+
+
+def run_preparation(owner, reqs, cache, encoder):
+    with owner.fence():
+        features = owner.resolve(reqs, cache, encoder)
+        owner.features_ready()
+    return features
+
+
+def test_cache_validation_serves_valid_and_evicts_wrong_entries():
+    cache = DictCache(
+        {
+            1: span_for(1, 3),  # valid
+            2: span_for(2, 5),  # wrong span length
+            3: span_for(3, 2, dtype=torch.float16),  # wrong dtype
+            4: torch.empty(2, WIDTH, device="meta"),  # wrong device
+            5: span_for(5, 2)[None],  # wrong rank (3-D)
+            6: "not a tensor",
+        }
+    )
+    encoder = Encoder()
+    reqs = requests((1, 3), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2))
+    features = run_preparation(session(), reqs, cache, encoder)
+    assert encoder.calls == [[2, 3, 4, 5, 6]], "the valid entry is served, the rest re-encoded"
+    assert sorted(cache.freed) == [2, 3, 4, 5, 6]
+    for h, n in [(1, 3), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2)]:
+        assert torch.equal(features[(h, n)], span_for(h, n))
+        assert torch.equal(cache.entries[h], span_for(h, n))
+
+
+def test_duplicate_spans_with_different_geometry_are_rejected():
+    reqs = [
+        SpanRequest(content_hash=9, span_len=4, item=(2, 2), duplicates=[(2, 2), (1, 4)]),
+    ]
+    cache, encoder = DictCache(), Encoder()
+    with pytest.raises(OwnerProtocolError, match=r"different geometry: \(2, 2\) vs \(1, 4\)"):
+        run_preparation(session(), reqs, cache, encoder)
+    assert encoder.calls == [] and cache.entries == {}
+
+
+def test_duplicate_spans_with_equal_geometry_are_one_span():
+    reqs = [SpanRequest(content_hash=9, span_len=4, item=(2, 2), duplicates=[(2, 2)])]
+    encoder = Encoder()
+    features = run_preparation(session(), reqs, DictCache(), encoder)
+    assert encoder.calls == [[9]] and list(features) == [(9, 4)]
+
+
+def test_error_text_names_phase_ranks_and_requests():
+    def failing_encoder(_requests):
+        raise MemoryError("no room")
+
+    with pytest.raises(OwnerProtocolError) as raised:
+        run_preparation(session(OneRankGroup(global_rank=13)), requests((2, 3)), DictCache(), failing_encoder)
+    text = str(raised.value)
+    assert text.startswith("owner-broadcast embedding failed in phase 'encode' on group rank 0 ")
+    assert "(global rank 13)" in text
+    assert "requests ['req-a', 'req-b']" in text
+    assert "owner encode of image hashes [2] failed: MemoryError: no room" in text
+    # On the failing rank the local exception stays attached.
+    assert isinstance(raised.value.__cause__.__cause__, MemoryError)
+
+
+def test_span_without_hash_is_a_manifest_error():
+    with pytest.raises(OwnerProtocolError, match="phase 'manifest'.*has no content hash"):
+        run_preparation(session(), [SpanRequest(content_hash=None, span_len=2, item=1)],
+                        DictCache(), Encoder())
+
+
+def test_encoder_output_of_wrong_shape_or_dtype_is_an_encode_error():
+    def wrong_dtype(reqs):
+        return [span_for(r.content_hash, r.span_len, dtype=torch.float64) for r in reqs]
+
+    with pytest.raises(OwnerProtocolError, match="phase 'encode'.*float64"):
+        run_preparation(session(), requests((1, 2)), DictCache(), wrong_dtype)
+    with pytest.raises(OwnerProtocolError, match="phase 'encode'.*7 rows"):
+        run_preparation(session(), requests((1, 2)), DictCache(), lambda reqs: torch.zeros(7, WIDTH))
+
+
+def test_no_agreement_after_a_failure_inside_a_collective():
+    group = OneRankGroup(fail_broadcast=True)
+    cache = DictCache()
+    with pytest.raises(RuntimeError, match="link down") as raised:
+        run_preparation(session(group), requests((3, 2)), cache, Encoder())
+    assert not isinstance(raised.value, OwnerProtocolError)
+    # manifest exchange, the pre-broadcast agreement, the failed broadcast; nothing after
+    assert group.calls == ["all_gather_object", "broadcast_object", "all_gather_object", "broadcast"]
+    assert cache.entries == {}, "a span that never arrived must not be cached"
+
+
+def test_fence_without_owner_path_is_an_agreed_error():
+    group = OneRankGroup()
+    with pytest.raises(OwnerProtocolError, match="no image span reached the owner path"):
+        with session(group).fence():
+            pass
+    assert group.calls == ["all_gather_object", "broadcast_object"]
+
+
+def test_features_never_marked_ready_is_an_agreed_error():
+    owner = session()
+    with pytest.raises(OwnerProtocolError, match="before its image features were marked ready"):
+        with owner.fence():
+            owner.resolve(requests((1, 2)), DictCache(), Encoder())
+
+
+def test_resolve_twice_is_refused():
+    owner = session()
+    with pytest.raises(OwnerProtocolError, match="phase 'features'.*resolved twice"):
+        with owner.fence():
+            owner.resolve(requests((1, 2)), DictCache(), Encoder())
+            owner.resolve(requests((1, 2)), DictCache(), Encoder())
+
+
+def test_session_not_engaged_does_nothing_and_refuses_the_owner_path():
+    group = OneRankGroup()
+    owner = session(group, engaged=False)
+    with owner.fence():
+        owner.features_ready()
+        assert owner.embed_text(lambda: torch.ones(2), lambda t: t * 2).tolist() == [2.0, 2.0]
+        with pytest.raises(RuntimeError, match="no image span"):
+            owner.resolve(requests((1, 2)), DictCache(), Encoder())
+    assert group.calls == []
+
+
+def test_embed_text_agrees_a_lookup_failure_and_skips_the_reduce():
+    reduced = []
+    owner = session()
+    with pytest.raises(OwnerProtocolError, match="phase 'text-embedding'.*IndexError: id 99"):
+        with owner.fence():
+            owner.resolve(requests((1, 2)), DictCache(), Encoder())
+
+            def lookup():
+                raise IndexError("id 99")
+
+            owner.embed_text(lookup, reduced.append)
+    assert reduced == []
+
+
+def test_owner_path_runs_inside_the_allocation_context():
+    # Production passes a context that suspends sglang's symmetric-memory pool.
+    state = {"inside": False, "encoded_inside": None, "broadcast_inside": None}
+
+    class Context:
+        def __enter__(self):
+            state["inside"] = True
+
+        def __exit__(self, *exc):
+            state["inside"] = False
+
+    class Group(OneRankGroup):
+        def broadcast(self, tensor, src=0):
+            state["broadcast_inside"] = state["inside"]
+            return super().broadcast(tensor, src)
+
+    def encoder(reqs):
+        state["encoded_inside"] = state["inside"]
+        return Encoder()(reqs)
+
+    run_preparation(session(Group(), allocation_context=Context), requests((1, 2)),
+                    DictCache(), encoder)
+    assert state == {"inside": False, "encoded_inside": True, "broadcast_inside": True}
+
+
+def test_phase_hook_sees_the_phases_in_order():
+    seen = []
+    owner = session(on_phase=seen.append)
+    with owner.fence():
+        owner.resolve(requests((1, 2)), DictCache(), Encoder())
+        owner.embed_text(lambda: torch.zeros(1))
+    assert seen == [Phase.MANIFEST, Phase.PLAN, Phase.PLAN, Phase.ENCODE, Phase.FEATURES,
+                    Phase.TEXT_EMBEDDING]
