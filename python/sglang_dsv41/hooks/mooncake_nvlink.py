@@ -1,0 +1,185 @@
+"""Adapter: Mooncake intra-node NVLink host-block routing inside sglang's MooncakeKVManager.
+
+Three narrow points of ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager``:
+- AFTER ``_registerable_regions``: device regions only when the transport is active;
+- AROUND ``_transfer_data`` (the funnel nearly every send path uses, aux included):
+  device-sourced blocks to the engine, host-sourced blocks as host-block frames
+  on the zmq push socket of the transfer's decode endpoint, the socket that
+  later carries the completion status;
+- AROUND ``_handle_aux_data`` (decode thread): host-block frames, which travel
+  as AUX_DATA with a tag, are written into published regions; everything else
+  goes to upstream.
+
+Aux needs no hook of its own: in this mode upstream's ``send_aux`` builds aux
+blocks and hands them to ``_transfer_data``, where host aux buffers take the
+side channel and are checked against the decode side's published regions.
+The logic lives in ``sglang_dsv41.core.mooncake_routing``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from sglang_dsv41.core.memory_access import HostMemory, cuda_memory_access
+from sglang_dsv41.core.mooncake_routing import (
+    HostBlockReceiver,
+    KindTable,
+    MemoryAccess,
+    MemoryAccessError,
+    NoSideChannel,
+    RegionTable,
+    SideChannel,
+    TransferRouter,
+    is_host_block_message,
+    nvlink_intra_reason,
+    plan_registration,
+)
+
+logger = logging.getLogger("sglang_dsv41.mooncake")
+
+_STATE_ATTR = "_dsv41_nvlink_routing"
+_RECEIVER_ATTR = "_dsv41_host_block_receiver"
+
+# Tests on machines without a GPU inject a classification here; None = CUDA.
+_injected_memory: Optional[MemoryAccess] = None
+
+
+def set_memory_access(memory: Optional[MemoryAccess]) -> None:
+    """Use ``memory`` for classification and raw copies in managers built from now on."""
+    global _injected_memory
+    _injected_memory = memory
+
+
+@dataclass
+class _RoutingState:
+    reason: str
+    memory: MemoryAccess
+    router: TransferRouter
+
+
+def _gpu_id(manager) -> Optional[int]:
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    return gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None
+
+
+def _memory_for(manager, *, strict: bool) -> MemoryAccess:
+    if _injected_memory is not None:
+        return _injected_memory
+    try:
+        return cuda_memory_access(device=_gpu_id(manager))
+    except MemoryAccessError:
+        if strict:
+            raise
+        # No usable CUDA runtime in this process means no device memory in it either.
+        logger.warning("no CUDA runtime usable; host-block writes use plain host copies")
+        return HostMemory()
+
+
+def _routing_state(manager) -> Optional[_RoutingState]:
+    state = manager.__dict__.get(_STATE_ATTR)
+    return state if isinstance(state, _RoutingState) else None
+
+
+def after_registerable_regions(result, self):
+    """AFTER MooncakeKVManager._registerable_regions: leave host regions out under NVLink-intra."""
+    reason = nvlink_intra_reason()
+    if reason is None:
+        return None  # keep upstream's list
+    state = _routing_state(self)
+    if state is None:
+        try:
+            memory = _memory_for(self, strict=True)
+        except MemoryAccessError as exc:
+            raise RuntimeError(
+                f"[sglang-dsv41] Mooncake intra-node NVLink transport is active ({reason}) but "
+                f"device and host memory cannot be told apart: {exc}. Registering a host "
+                "region would fail the whole registration."
+            ) from exc
+    else:
+        memory = state.memory
+    plan = plan_registration(list(result), memory.kind_of)
+    kinds = KindTable(plan.classified, memory.kind_of)
+    self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds.kind_of, memory))
+    (logger.info if state is None else logger.debug)(
+        "[sglang-dsv41] Mooncake intra-node NVLink transport active (%s): registering %d "
+        "device regions; %s",
+        reason, len(plan.register), plan.describe_left_out(),
+    )
+    return plan.register
+
+
+def _side_channel(manager, session_id: str) -> SideChannel:
+    """The decode endpoint of ``session_id``, from the transfer infos upstream already keeps.
+
+    The status of the same transfer goes to this endpoint through the same
+    cached push socket, which is what orders host blocks before it.
+    """
+    from sglang.srt.utils.network import NetworkAddress
+
+    rooms = None
+    for _ in range(3):  # the bootstrap thread may resize the dict meanwhile
+        try:
+            rooms = list(getattr(manager, "transfer_infos", {}).items())
+            break
+        except RuntimeError:
+            continue
+    match = None
+    for room, infos in rooms or []:
+        info = infos.get(session_id) if isinstance(infos, dict) else None
+        if info is not None and not getattr(info, "is_dummy", False):
+            match = (room, info)  # later rooms are newer: keep the last
+    if match is None:
+        raise NoSideChannel(f"no transfer info holds mooncake session {session_id}")
+    room, info = match
+    address = NetworkAddress(info.endpoint, info.dst_port)
+    endpoint = address.to_tcp()
+
+    def send(frames: list[bytes]) -> None:
+        manager._send_multipart_locked(endpoint, frames, is_ipv6=address.is_ipv6)
+
+    return SideChannel(room=int(room), send=send)
+
+
+def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
+    """AROUND MooncakeKVManager._transfer_data: device blocks to the engine, host blocks beside it."""
+    state = _routing_state(self)
+    if state is None or not transfer_blocks:
+        return original(self, mooncake_session_id, transfer_blocks)
+    return state.router.route(
+        list(transfer_blocks),
+        lambda device_blocks: original(self, mooncake_session_id, device_blocks),
+        lambda: _side_channel(self, mooncake_session_id),
+    )
+
+
+def _published_regions(manager) -> RegionTable:
+    """Every region this side published as a transfer target (KV, aux, state)."""
+    args = manager.kv_args
+    regions = list(zip(args.kv_data_ptrs or [], args.kv_data_lens or []))
+    regions += list(zip(args.aux_data_ptrs or [], args.aux_data_lens or []))
+    for ptrs, lens in zip(args.state_data_ptrs or [], args.state_data_lens or []):
+        regions += list(zip(ptrs or [], lens or []))
+    return RegionTable(regions)
+
+
+def _receiver_for(manager) -> HostBlockReceiver:
+    receiver = manager.__dict__.get(_RECEIVER_ATTR)
+    if receiver is None:
+        state = _routing_state(manager)
+        memory = state.memory if state is not None else _memory_for(manager, strict=False)
+        receiver = HostBlockReceiver(_published_regions(manager), memory, logger)
+        manager.__dict__[_RECEIVER_ATTR] = receiver
+    return receiver
+
+
+def around_handle_aux_data(original, self, msg):
+    """AROUND MooncakeKVManager._handle_aux_data: take host-block frames, pass the rest on."""
+    if not is_host_block_message(msg):
+        return original(self, msg)
+    try:
+        _receiver_for(self).handle(msg)
+    except Exception:  # the decode thread must keep serving
+        logger.exception("[sglang-dsv41] host-block message dropped")
+    return None

@@ -1,0 +1,140 @@
+"""Real sglang 0.5.23 Mooncake PD transfers between two processes, with and without the plugin.
+
+Both runs force the intra-node NVLink mode (MC_INTRANODE_NVLINK=1; the CPU
+Mooncake wheel has no such transport and keeps tcp, so the engine itself still
+works) and inject which buffers count as device memory. With the plugin, host
+regions stay out of the engine registration, host blocks (aux, state entry 1)
+arrive on the side channel before the completion status, byte-exact, and bad
+host-block frames are dropped without writing. Without it (stock 0.5.23), every
+region is registered, which is what fails on a GPU with this transport.
+
+One interpreter per run imports sglang once and forks the two sides (see
+_pd_pair.py); the two runs go in parallel to keep the wall time down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+PAIR = Path(__file__).with_name("_pd_pair.py")
+OUR_IDS = {"MC-NVL-REGIONS", "MC-NVL-TRANSFER", "MC-NVL-AUX-RECV"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_model(tmp_path: Path) -> str:
+    model = tmp_path / "tiny_llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    }))
+    return str(model)
+
+
+def _start(mode: str, model: str, room: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("SGLANG_DSV41_ALLOW_DRIFT", None)
+    env.update(MOONCAKE_PROTOCOL="tcp", MC_INTRANODE_NVLINK="1", SGLANG_HOST_IP="127.0.0.1")
+    env.pop("SGLANG_PLUGINS", None)
+    if mode == "none":
+        env["SGLANG_PLUGINS"] = "not-dsv41"  # stock sglang: no plugin loads
+    cfg = {"model": model, "bootstrap_port": _free_port(), "room": room, "timeout": 300}
+    return subprocess.Popen(
+        [sys.executable, str(PAIR), mode, json.dumps(cfg)], env=env, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _collect(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=420)
+    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    assert lines, f"no result (rc={proc.returncode}); stderr tail:\n{err[-4000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    for role in ("prefill", "decode"):
+        assert role in res, f"{role} reported nothing; stderr tail:\n{err[-4000:]}"
+        assert "error" not in res[role], f"{role}: {res[role]['error']}\n{err[-4000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = _tiny_model(tmp_path_factory.mktemp("model"))
+    procs = {"plugin": _start("full", model, 7000), "stock": _start("none", model, 9000)}
+    return {name: _collect(p) for name, p in procs.items()}
+
+
+def _as_set(regions):
+    return {tuple(r) for r in regions}
+
+
+@pytest.mark.timeout(480)
+def test_plugin_registers_device_regions_only(runs):
+    for role in ("prefill", "decode"):
+        side = runs["plugin"][role]
+        assert OUR_IDS <= set(side["plugin_applied"])
+        assert _as_set(side["registered"]) == _as_set(side["device_regions"])
+        assert not _as_set(side["registered"]) & _as_set(side["host_regions"])
+
+
+@pytest.mark.timeout(480)
+def test_stock_registers_host_regions_too(runs):
+    """Without the plugin the host regions go to the engine: what fails on a GPU."""
+    for role in ("prefill", "decode"):
+        side = runs["stock"][role]
+        assert _as_set(side["registered"]) == _as_set(side["device_regions"]) | _as_set(
+            side["host_regions"]
+        )
+    assert runs["stock"]["decode"]["host_messages_written"] == 0
+
+
+@pytest.mark.timeout(480)
+def test_plugin_transfer_is_byte_exact_and_host_blocks_precede_status(runs):
+    dec = runs["plugin"]["decode"]
+    for room in ("A", "B"):
+        assert runs["plugin"]["prefill"][f"status_{room}"] == "success"
+        assert dec[f"status_{room}"] == "success"
+        assert dec[f"mismatch_{room}"] == []
+    assert dec["stray_writes"] == []
+    # Room A: the real path. At the moment the Success status is applied, every
+    # buffer (KV over the engine, aux and state entry 1 over the side channel)
+    # already holds its bytes.
+    assert dec["mismatch_at_status_A"] == []
+    # Room B holds host-block frames back until after the status (negative
+    # control): the snapshot catches exactly the side-channel buffers.
+    assert dec["mismatch_at_status_B"] == ["aux0", "aux1", "state1"]
+    # Per room: one message for the aux buffers, one for the host state entry.
+    assert dec["host_messages_written"] == 4
+
+
+@pytest.mark.timeout(480)
+def test_bad_host_block_frames_are_dropped_and_the_decode_thread_keeps_serving(runs):
+    dec = runs["plugin"]["decode"]
+    assert dec["bad_frames_dropped"] == 8
+    assert dec["untouched_after_bad_frames"] is True
+    assert dec["decode_thread_alive"] is True
+    assert dec["status_A"] == "success"  # served after the bad frames
+
+
+@pytest.mark.timeout(480)
+def test_stock_transfer_also_completes_on_cpu(runs):
+    """Pins the stock baseline: over tcp everything moves through the engine."""
+    dec = runs["stock"]["decode"]
+    assert dec["status_A"] == dec["status_B"] == "success"
+    assert dec["mismatch_A"] == dec["mismatch_B"] == []
+    assert dec["mismatch_at_status_A"] == dec["mismatch_at_status_B"] == []
