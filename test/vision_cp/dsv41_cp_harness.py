@@ -1,0 +1,240 @@
+"""Helpers for the DeepSeek-V4.1 CP runtime tests (this package's own version of the
+seed's ``dsv41_cp_test_utils``; it lives with the tests, not in sglang's namespace).
+
+Everything runs sglang 0.5.23's real CP code: ``InterleaveCPStrategy`` bound with
+``init_cp_strategy``, the real ``ForwardBatch``, ``cp_shard_model_inputs`` /
+``cp_gather_after_forward`` and the attention-CP all-gather through
+``get_parallel().attn_cp_group``. Two kinds of attention-CP group are provided:
+
+- ``PeerShardsGroup``: one process stands for one rank; the all-gather returns the
+  shards the other ranks would contribute (computed from the expected full tensor)
+  and checks that this rank contributed exactly its own shard.
+- ``run_gloo_ranks``: forked processes with a real gloo world and real sglang
+  ``GroupCoordinator`` groups, so the all-gather is a real collective.
+
+``installed(*ids)`` puts just the named patches of our table on the real sglang
+objects the way sglang's HookRegistry wraps them, and restores the originals.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pkgutil
+import socket
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Sequence
+from unittest.mock import patch
+
+import torch
+
+_MISSING = object()
+
+
+# --- patches ----------------------------------------------------------------------------
+
+@contextmanager
+def installed(*patch_ids: str):
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    from sglang_dsv41.loader import hook_callable
+    from sglang_dsv41.patch_spec import HookKind
+    from sglang_dsv41.patch_table import by_id
+
+    table = by_id()
+    undo = []
+    try:
+        for pid in patch_ids:
+            patch = table[pid]
+            owner = pkgutil.resolve_name(patch.owner_path)
+            name = patch.attribute
+            before = owner.__dict__.get(name, _MISSING)
+            hook = hook_callable(patch)
+            if patch.kind is HookKind.NEW_ATTRIBUTE:
+                assert before is _MISSING, f"{patch.target} exists upstream"
+                setattr(owner, name, hook)
+            else:
+                assert before is not _MISSING, f"{patch.target} missing upstream"
+                setattr(owner, name, _wrap_fn(before, hook, HookType(patch.kind.value)))
+            undo.append((owner, name, before))
+        yield
+    finally:
+        for owner, name, before in reversed(undo):
+            if before is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+
+RUNTIME_PATCHES = ("VCP-PREPARE", "VCP-RUNNER")
+
+
+# --- batches ----------------------------------------------------------------------------
+
+def extend_batch(lengths: Sequence[int], prefixes: Sequence[int], input_ids=None,
+                 mm_inputs=None):
+    """A real ForwardBatch for one extend step of len(lengths) requests."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    total = sum(lengths)
+    if input_ids is None:
+        input_ids = torch.arange(1, total + 1)
+    seq_lens = [p + n for p, n in zip(prefixes, lengths)]
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(lengths),
+        input_ids=input_ids,
+        req_pool_indices=torch.arange(len(lengths)),
+        seq_lens=torch.tensor(seq_lens),
+        out_cache_loc=torch.arange(total),
+        seq_lens_sum=sum(seq_lens),
+    )
+    batch.positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefixes, lengths)])
+    batch.extend_seq_lens_cpu = list(lengths)
+    batch.extend_prefix_lens_cpu = list(prefixes)
+    batch.seq_lens_cpu = torch.tensor(seq_lens)
+    batch.mm_inputs = mm_inputs
+    return batch
+
+
+def interleave_rows(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows of ``full`` that the interleave strategy gives ``rank`` (before padding)."""
+    return full[rank::size]
+
+
+def physical_rows(total: int, size: int) -> int:
+    """Padded per-rank row count: ceil(total/size) rounded up to the CP alignment."""
+    per_rank = -(-total // size)
+    return -(-per_rank // size) * size
+
+
+def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def rank_major(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """The MoE routing id order of cp_interleave_input_ids: rank 0's rows, then rank 1's..."""
+    rows = physical_rows(ids.shape[0], size)
+    flat = ids.new_zeros(rows * size)
+    flat[: ids.shape[0]] = ids
+    return flat.view(-1, size).T.flatten()
+
+
+# --- CP scope ---------------------------------------------------------------------------
+
+@contextmanager
+def cp_scope(size: int, rank: int, group, *, strategy: str = "interleave"):
+    """Bind prefill CP of ``size`` ranks (this process = ``rank``) around a block."""
+    from sglang.srt.layers.cp.base import init_cp_strategy
+    from sglang.srt.runtime_context import get_parallel
+
+    values = dict(
+        tp_size=size, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+        attn_dp_rank=0, attn_cp_size=size, attn_cp_rank=rank, attn_cp_group=group,
+        enable_prefill_cp=True, cp_strategy=strategy, enable_cp_tp_group_sharing=False,
+    )
+    # No CUDA device here: the runner asks for the current stream, which the
+    # interleave gather does not use.
+    with get_parallel().override(**values), \
+            patch("torch.cuda.current_stream", return_value=None):
+        init_cp_strategy(enable_prefill_cp=True, cp_size=size, cp_strategy=strategy)
+        try:
+            yield
+        finally:
+            init_cp_strategy(enable_prefill_cp=False, cp_size=1, cp_strategy=strategy)
+
+
+class PeerShardsGroup:
+    """Attention-CP group of one process standing for ``rank`` of ``size``.
+
+    ``full`` is what the gathered tensor must become; peers contribute their
+    interleave shards of it, and this rank's contribution is checked to be its own.
+    """
+
+    def __init__(self, size: int, rank: int, full: torch.Tensor | None = None):
+        self.world_size = size
+        self.rank_in_group = rank
+        self.full = full
+        self.gathers = 0
+
+    def all_gather_into_tensor(self, output: torch.Tensor, local: torch.Tensor) -> None:
+        assert self.full is not None, "set PeerShardsGroup.full before the gather"
+        rows = local.shape[0]
+        shards = [padded(interleave_rows(self.full, r, self.world_size), rows)
+                  for r in range(self.world_size)]
+        torch.testing.assert_close(local, shards[self.rank_in_group].to(local.dtype),
+                                   rtol=0, atol=0)
+        output.copy_(torch.cat(shards).to(output.dtype))
+        self.gathers += 1
+
+
+# --- real gloo ranks --------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank_main(rank, world, port, layouts, body, results):
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+        import sglang.srt.distributed.parallel_state as parallel_state
+        from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+        # This machine is a CPU: let sglang's group use torch.distributed directly
+        # (its CUDA/NPU path goes through a device-only custom op).
+        parallel_state._is_cpu = True
+        groups = {}
+        for name, ranks_list in layouts.items():
+            groups[name] = GroupCoordinator(
+                ranks_list, rank, "gloo", use_pynccl=False, use_mscclpp=False,
+                use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+                use_hpu_communicator=False, use_xpu_communicator=False,
+                group_name=f"attn_cp_{name}",
+            )
+        results.put((rank, "ok", body(rank, groups)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report, never hang the parent
+        results.put((rank, "error", traceback.format_exc()))
+        os._exit(1)
+
+
+def run_gloo_ranks(world: int, layouts: dict, body: Callable, timeout: float = 150):
+    """Fork ``world`` processes in one gloo world; each builds the sglang groups in
+    ``layouts`` ({name: [[ranks of group 0], [ranks of group 1], ...]}) and runs
+    ``body(rank, {name: GroupCoordinator})``. Returns {rank: body's result}; raises
+    with every failing rank's traceback."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_rank_main,
+                         args=(r, world, port, layouts, body, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, payload = results.get(timeout=timeout)
+            if status == "ok":
+                outcomes[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("gloo rank failed\n" + "\n".join(errors))
+    return outcomes
