@@ -325,10 +325,11 @@ PATCHES: tuple[Patch, ...] = (
         "stays at the queue head and is admitted once the multimodal chunk ahead of it drains "
         "(no starvation). Chosen over the seed's exact placement (a check before the loop's "
         "prefix match) because that needs a REPLACE of the 336-line admission method or an "
-        "iterator trick on waiting_queue; the only differences are side effects the loop already "
-        "tolerates for every OTHER/NO_TOKEN refusal (prefix match, hicache prefetch pop and "
-        "staging run first and are redone next pass). The costly one, priority preemption, is "
-        "closed by EMB-PREEMPT.",
+        "iterator trick on waiting_queue, both far more fragile across upgrades. The only "
+        "difference is that the prefix match, hicache prefetch pop and staging run for the "
+        "refused request first: exactly what happens today whenever add_one_req refuses a "
+        "request because the pass is full, a path upstream already handles. The one costly "
+        "side effect, priority preemption, is closed by EMB-PREEMPT.",
         source="seed managers/scheduler.py (admission loop break on can_share_extend_batch); "
         "UPSTREAM-0.5.23 row G3",
         signature="(self, req: Req, has_chunked_req: bool, truncation_align_size: Optional[int])",

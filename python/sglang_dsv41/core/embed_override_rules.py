@@ -72,7 +72,8 @@ def check_request_admission(*, has_overrides: bool, has_multimodal_input: bool) 
 
 @dataclass(frozen=True)
 class RowKind:
-    """What the scheduler needs to know about one request in an extend batch."""
+    """What the scheduler needs to know about a request, or about the union of
+    the requests already admitted to an extend batch."""
 
     has_overrides: bool
     has_multimodal: bool
@@ -81,21 +82,28 @@ class RowKind:
     def self_conflicting(self) -> bool:
         return self.has_overrides and self.has_multimodal
 
+    @staticmethod
+    def union(kinds: Iterable["RowKind"]) -> "RowKind":
+        overrides = media = False
+        for kind in kinds:
+            overrides = overrides or kind.has_overrides
+            media = media or kind.has_multimodal
+        return RowKind(has_overrides=overrides, has_multimodal=media)
 
-def can_share_extend_batch(candidate: RowKind, admitted: Iterable[RowKind]) -> bool:
-    """May ``candidate`` join an extend batch that already holds ``admitted``?
+
+def can_share_extend_batch(candidate: RowKind, admitted: RowKind) -> bool:
+    """May ``candidate`` join an extend batch whose admitted rows add up to ``admitted``?
 
     Conservative on purpose: a multimodal request counts as having placeholder
     rows for every chunk, even a chunk past its media. Decode rows mixed into
-    an extend step are not part of ``admitted``; the model-runner check covers
-    them exactly. A request that carries both kinds (the scheduler intake
-    aborts those) shares with neither kind; alone it would reach the
-    model-runner check, which stops it loudly rather than hanging the queue.
+    an extend step are not admitted rows; the model-runner check covers them
+    exactly. A request that carries both kinds (the scheduler intake aborts
+    those) shares with neither kind; alone it would reach the model-runner
+    check, which stops it loudly rather than hanging the queue.
     """
-    admitted = list(admitted)
-    if candidate.has_overrides and any(row.has_multimodal for row in admitted):
+    if candidate.has_overrides and admitted.has_multimodal:
         return False
-    if candidate.has_multimodal and any(row.has_overrides for row in admitted):
+    if candidate.has_multimodal and admitted.has_overrides:
         return False
     return True
 

@@ -44,10 +44,22 @@ def _row_kind(req) -> rules.RowKind:
 
 
 def can_share_extend_batch(self, req) -> bool:
-    """New PrefillAdder method: may ``req`` join the requests admitted so far?"""
-    return rules.can_share_extend_batch(
-        _row_kind(req), (_row_kind(r) for r in self.can_run_list)
+    """New PrefillAdder method: may ``req`` join the requests admitted so far?
+
+    Runs for every admission candidate, so plain requests return at once and
+    the admitted rows are scanned only for the attribute that matters.
+    """
+    candidate = _row_kind(req)
+    if not (candidate.has_overrides or candidate.has_multimodal):
+        return True
+    rows = self.can_run_list
+    admitted = rules.RowKind(
+        has_overrides=candidate.has_multimodal
+        and any(r.positional_embed_overrides is not None for r in rows),
+        has_multimodal=candidate.has_overrides
+        and any(r.multimodal_inputs is not None for r in rows),
     )
+    return rules.can_share_extend_batch(candidate, admitted)
 
 
 def around_add_one_req(original, self, req, *args, **kwargs):
