@@ -210,13 +210,18 @@ class PrefillRank:
 
 @contextlib.contextmanager
 def prefill_server(shape: PrefillShape, *, dspark: bool, pool: str, server: BootstrapServer,
-                   kv_args_changes: dict | None = None, draft_tokens: int = 6):
-    """Every rank of one prefill server registers with ``server`` through its real __init__."""
+                   kv_args_changes: dict | None = None, draft_tokens: int = 6, only=None):
+    """Every rank of one prefill server registers with ``server`` through its real __init__.
+
+    ``only(dp, cp, tp)`` picks a subset of ranks (a prefill still starting up).
+    """
     ranks: dict[int, PrefillRank] = {}
     with server_args_context(tp=shape.tp, cp=shape.cp, dp=shape.dp, dspark=dspark,
                              mode="prefill", bootstrap_port=server.port,
                              draft_tokens=draft_tokens):
         for dp, cp, tp in itertools.product(range(shape.dp), range(shape.cp), range(shape.attn_tp)):
+            if only is not None and not only(dp, cp, tp):
+                continue
             with get_parallel().override(attn_tp_rank=tp, attn_cp_rank=cp, attn_dp_rank=dp,
                                          attn_dcp_rank=0, pp_group=None):
                 manager = CommonKVManager(

@@ -394,3 +394,26 @@ def test_runtime_handshake_and_mapping(hooked, decode_cache, dspark, pool, env, 
             finally:
                 for manager in managers:
                     manager.prefill_info_table.pop(server.addr, None)
+
+
+def test_mapping_check_catches_a_one_sided_all_cp_ranks_setting(hooked):
+    """The delivery check has teeth: with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER
+    on the prefill only, every CP rank sends a slice but the decode pulls CP rank 0
+    alone. A prefill does not publish that setting, so the runtime cannot see it; the
+    pure rule rejects it when a tool knows both sides."""
+    p, d = H.PrefillShape(4, 4), H.DecodeShape(4)
+    managers = H.decode_managers(d, dspark=True, pool="mla")
+    try:
+        with all_cp_env(True), H.BootstrapServer() as server, \
+                H.prefill_server(p, dspark=True, pool="mla", server=server) as ranks:
+            for manager in managers:
+                assert manager.try_ensure_parallel_info(server.addr) is True
+            with pytest.raises(AssertionError):
+                check_mapping_delivers(managers, ranks, p, d, "mla", server.addr, 0)
+    finally:
+        H.close_managers(managers)
+    prefill = side_from_args(tp_size=4, attn_cp_size=4, speculative_algorithm="DSPARK",
+                             spec_layout=STAND_IN_LAYOUT, all_cp_ranks_transfer=True)
+    decode = side_from_args(tp_size=4, speculative_algorithm="DSPARK",
+                            spec_layout=STAND_IN_LAYOUT, all_cp_ranks_transfer=False)
+    assert not evaluate_pairing(prefill, decode).accepted
