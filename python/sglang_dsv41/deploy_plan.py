@@ -83,6 +83,7 @@ def main(compose_files: list[str]) -> int:
                 layout = resolve_layout(service, args, checkpoint)
             except ResolutionFailed as exc:
                 problems.append(Problem(service.label, str(exc)))
+                plan.unresolved.append(service)
                 continue
             plan.servers.append(PlannedServer(service, layout))
 

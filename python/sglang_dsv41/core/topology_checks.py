@@ -109,6 +109,8 @@ class Plan:
     servers: list[PlannedServer] = field(default_factory=list)
     routers: list[PlannedRouter] = field(default_factory=list)
     masters: list[PlannedMaster] = field(default_factory=list)
+    # sglang services whose arguments did not resolve (already reported).
+    unresolved: list[Service] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- what a service is
@@ -388,10 +390,16 @@ def check_routers(plan: Plan) -> tuple[list[tuple[PlannedServer, PlannedServer, 
         elif router.prefill or router.decode:
             problems.append(Problem(label, "--prefill/--decode given without --pd-disaggregation"))
         prefills, decodes = [], []
+        def unreachable(url: str, why: str) -> None:
+            # A router URL may point at a server that failed to resolve; that
+            # server's own error says what is wrong.
+            if not any(u.compose_file == router.service.compose_file for u in plan.unresolved):
+                problems.append(Problem(label, why))
+
         for url, bootstrap in router.prefill:
             server, why = _server_for_url(router, url, plan)
             if server is None:
-                problems.append(Problem(label, why))
+                unreachable(url, why)
                 continue
             routed.add(id(server))
             lay = server.layout
@@ -409,7 +417,7 @@ def check_routers(plan: Plan) -> tuple[list[tuple[PlannedServer, PlannedServer, 
         for url in router.decode:
             server, why = _server_for_url(router, url, plan)
             if server is None:
-                problems.append(Problem(label, why))
+                unreachable(url, why)
                 continue
             routed.add(id(server))
             if server.layout.disaggregation_mode != "decode":
@@ -420,7 +428,7 @@ def check_routers(plan: Plan) -> tuple[list[tuple[PlannedServer, PlannedServer, 
         for url in router.workers:
             server, why = _server_for_url(router, url, plan)
             if server is None:
-                problems.append(Problem(label, why))
+                unreachable(url, why)
                 continue
             routed.add(id(server))
             if server.layout.disaggregation_mode != "null":

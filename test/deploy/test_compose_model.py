@@ -1,0 +1,233 @@
+"""How `plan` reads compose files: interpolation, extends, include, ports, GPUs,
+router and Mooncake master flags, known crashes (pure code, no sglang import)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sglang_dsv41.core.compose_model import ComposeError, interpolate, load_services, read_env_file
+from sglang_dsv41.core.known_crashes import CrashFeatures, known_crash
+from sglang_dsv41.core.topology_checks import (
+    mooncake_master_args,
+    parse_master,
+    parse_router,
+    router_args,
+    sglang_serve_args,
+)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _lookup(values):
+    return values.get
+
+
+@pytest.mark.parametrize("text, values, expected", [
+    ("${A}", {"A": "x"}, "x"),
+    ("$A-$B", {"A": "x", "B": "y"}, "x-y"),
+    ("${A:-d}", {}, "d"),
+    ("${A:-d}", {"A": ""}, "d"),
+    ("${A-d}", {"A": ""}, ""),
+    ("${A:+alt}", {"A": "x"}, "alt"),
+    ("${A:+alt}", {"A": ""}, ""),
+    ("${A+alt}", {"A": ""}, "alt"),
+    ("${A:-${B:-inner}}", {}, "inner"),
+    ("$$A and $${B}", {}, "$A and ${B}"),
+    ("cost: 5$", {}, "cost: 5$"),
+])
+def test_interpolation_follows_compose(text, values, expected):
+    assert interpolate(text, _lookup(values), "here") == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("${MISSING}", "MISSING is not set"),
+    ("$MISSING", "MISSING is not set"),
+    ("${A:?give A}", "A: give A"),
+    ("${A?}", "A: is required"),
+    ("${A", "unterminated"),
+])
+def test_interpolation_refuses_unset_variables(text, message):
+    with pytest.raises(ComposeError, match=message):
+        interpolate(text, _lookup({}), "here")
+
+
+def test_env_file_syntax(tmp_path):
+    env = _write(tmp_path / ".env", """\
+        # comment
+        export A=1
+        B="two words"
+        C='x#y'
+        D=plain # trailing comment
+    """)
+    assert read_env_file(env) == {"A": "1", "B": "two words", "C": "x#y", "D": "plain"}
+    _write(tmp_path / "bad.env", "not a pair\n")
+    with pytest.raises(ComposeError, match="not a KEY=VALUE line"):
+        read_env_file(tmp_path / "bad.env")
+
+
+def test_extends_across_files_merges_like_compose(tmp_path):
+    _write(tmp_path / "base" / "services.yml", """\
+        services:
+          server:
+            image: img
+            network_mode: host
+            volumes: ["./conf.yaml:/etc/conf.yaml:ro", "/data:/data"]
+            environment: {A: base, B: base}
+            command: ["base", "command"]
+            healthcheck: {test: ["CMD", "base"], interval: 30s}
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, count: all, capabilities: [gpu]}]}}}
+            labels: ["sglang-dsv41.host=node-a"]
+          derived:
+            extends: {service: server}
+            environment: [C=derived]
+    """)
+    top = _write(tmp_path / "top" / "topology.yml", """\
+        services:
+          one:
+            extends: {file: ../base/services.yml, service: derived}
+            volumes: ["/other:/data"]
+            environment: {B: top, CUDA_VISIBLE_DEVICES: "2,3"}
+            command: serve --flag 'a b'
+            healthcheck: {test: ["CMD", "top"]}
+    """)
+    (service,), _ = load_services(top, environ={})
+    assert service.argv == ["serve", "--flag", "a b"]
+    assert service.environment == {"A": "base", "B": "top", "C": "derived", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert service.healthcheck == {"test": ["CMD", "top"], "interval": "30s"}
+    assert service.host == "node-a"
+    # Volumes merge by target; relative sources are relative to the file that declared them.
+    binds = {b.target: b for b in service.binds}
+    assert binds["/etc/conf.yaml"].source == (tmp_path / "base" / "conf.yaml").resolve()
+    assert binds["/etc/conf.yaml"].read_only
+    assert binds["/data"].source == Path("/other")
+    assert service.host_path("/etc/conf.yaml") == (tmp_path / "base" / "conf.yaml").resolve()
+    assert service.host_path("/data/models/x") == Path("/other/models/x")
+    assert service.host_path("/nowhere") is None
+    assert service.gpu_reservation.visible == ("2", "3")
+
+
+def test_include_anchors_and_extends_cycles(tmp_path):
+    _write(tmp_path / "inc.yml", """\
+        services:
+          master: {image: img, command: mooncake_master --rpc_port=1234}
+    """)
+    top = _write(tmp_path / "top.yml", """\
+        include: [inc.yml]
+        x-common: &common {image: img, environment: {X: "1"}}
+        services:
+          a: {<<: *common, command: a}
+    """)
+    services, _ = load_services(top, environ={})
+    assert {s.name: s.argv for s in services} == {"a": ["a"], "master": ["mooncake_master", "--rpc_port=1234"]}
+    assert next(s for s in services if s.name == "a").environment == {"X": "1"}
+    cyc = _write(tmp_path / "cycle.yml", """\
+        services:
+          a: {extends: b}
+          b: {extends: a}
+    """)
+    with pytest.raises(ComposeError, match="extends cycle"):
+        load_services(cyc, environ={})
+    clash = _write(tmp_path / "clash.yml", """\
+        include: [inc.yml]
+        services:
+          master: {image: other}
+    """)
+    with pytest.raises(ComposeError, match="defined both here and in inc.yml"):
+        load_services(clash, environ={})
+
+
+def test_variables_come_from_environment_then_env_then_example(tmp_path):
+    top = _write(tmp_path / "t.yml", """\
+        services:
+          a: {image: "${IMAGE}", command: "serve --port ${PORT:-1}"}
+    """)
+    with pytest.raises(ComposeError, match="IMAGE is not set"):
+        load_services(top, environ={})
+    _write(tmp_path / ".env.example", "IMAGE=from-example\nPORT=2\n")
+    (svc,), used = load_services(top, environ={})
+    assert (svc.image, svc.argv[-1], used.name) == ("from-example", "2", ".env.example")
+    _write(tmp_path / ".env", "IMAGE=from-env\n")
+    (svc,), used = load_services(top, environ={"PORT": "3"})
+    assert (svc.image, svc.argv[-1], used.name) == ("from-env", "3", ".env")
+
+
+def test_ports_and_gpu_reservations(tmp_path):
+    top = _write(tmp_path / "t.yml", """\
+        services:
+          bridge:
+            image: img
+            ports: ["8080:80", "127.0.0.1:9000-9001:9000-9001/udp", "5000", {target: 81, published: "8081"}]
+          ids:
+            image: img
+            environment: {CUDA_VISIBLE_DEVICES: "1,0"}
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, device_ids: ["4", "5"], capabilities: [gpu]}]}}}
+          all-no-cvd:
+            image: img
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, count: all, capabilities: [gpu]}]}}}
+          counted:
+            image: img
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, count: 2, capabilities: [gpu]}]}}}
+          none: {image: img}
+          wrong-index:
+            image: img
+            environment: {CUDA_VISIBLE_DEVICES: "3"}
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, device_ids: ["4", "5"], capabilities: [gpu]}]}}}
+    """)
+    with pytest.raises(ComposeError, match="CUDA_VISIBLE_DEVICES=3 names GPU 3"):
+        load_services(top, environ={})
+    top.write_text(top.read_text().split("  wrong-index:")[0])
+    services = {s.name: s for s in load_services(top, environ={})[0]}
+    ports = [(p.host_port, p.container_port, p.protocol) for p in services["bridge"].published_ports]
+    assert ports == [(8080, 80, "tcp"), (9000, 9000, "udp"), (9001, 9001, "udp"), (8081, 81, "tcp")]
+    # CUDA_VISIBLE_DEVICES numbers the container's GPUs, which are host GPUs 4 and 5.
+    assert services["ids"].gpu_reservation.visible == ("5", "4")
+    assert services["all-no-cvd"].gpu_reservation.visible is None
+    assert services["counted"].gpu_reservation.visible is None
+    assert not services["none"].gpu_reservation.declared
+
+
+def test_service_kinds_and_their_flags():
+    assert sglang_serve_args(["sglang", "serve", "--tp", "2"]) == ["--tp", "2"]
+    assert sglang_serve_args(["/usr/bin/python3", "-m", "sglang.launch_server", "--tp", "2"]) == ["--tp", "2"]
+    assert sglang_serve_args(["python3", "-m", "sglang_router.launch_router"]) is None
+    assert router_args(["python3", "-m", "sglang_router.launch_router", "--port", "1"]) == ["--port", "1"]
+    assert mooncake_master_args(["/usr/local/bin/mooncake_master", "--rpc_port=5"]) == ["--rpc_port=5"]
+
+    svc = None
+    router = parse_router(svc, ["--pd-disaggregation", "--prefill", "http://a:1", "8999", "--prefill", "http://b:2",
+                                "--decode", "http://c:3", "--policy", "round_robin", "--port", "40000"])
+    assert router.pd and router.port == 40000 and router.prometheus_port == 29000
+    assert router.prefill == [("http://a:1", 8999), ("http://b:2", None)]
+    assert router.decode == ["http://c:3"]
+    with pytest.raises(ValueError, match="bootstrap port is not a number"):
+        parse_router(svc, ["--pd-disaggregation", "--prefill", "http://a:1", "http://b:2"])
+
+    master = parse_master(svc, ["--rpc_port", "6000", "--enable_http_metadata_server=true",
+                                "--http_metadata_server_port=8081", "--metrics_port=9100"])
+    assert master.rpc_port == 6000
+    assert master.other_ports == [(9100, "Mooncake master metrics"), (8081, "Mooncake HTTP metadata")]
+    assert parse_master(svc, []).rpc_port == 50051
+
+
+@pytest.mark.parametrize("features, fragment", [
+    (dict(dspark=True, decoder_swa_bounded_replay=True, enable_prefill_cp=True, attn_cp_size=4, attn_dp_size=1),
+     "cp4 + dspark + replay"),
+    (dict(dspark=True, decoder_swa_bounded_replay=True, enable_prefill_cp=False, attn_cp_size=1, attn_dp_size=2),
+     "--no-enable-decoder-swa-bounded-replay"),
+    (dict(dspark=True, decoder_swa_bounded_replay=False, enable_prefill_cp=True, attn_cp_size=4, attn_dp_size=1),
+     None),
+    (dict(dspark=False, decoder_swa_bounded_replay=True, enable_prefill_cp=True, attn_cp_size=4, attn_dp_size=1),
+     None),
+    (dict(dspark=True, decoder_swa_bounded_replay=True, enable_prefill_cp=False, attn_cp_size=1, attn_dp_size=1),
+     None),
+])
+def test_known_crashes(features, fragment):
+    verdict = known_crash(CrashFeatures(**features))
+    assert (verdict is None) if fragment is None else (fragment in verdict)

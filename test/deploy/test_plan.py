@@ -1,0 +1,156 @@
+"""`sglang-dsv41 plan` on the shipped topologies and on known-bad ones.
+
+Every case goes through sglang 0.5.23's real `sglang serve` parser and
+resolution pipeline with this plugin loaded, in ONE interpreter (importing
+sglang is the slow part), and the module's tests read its results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, run_python
+
+DEPLOY = REPO_ROOT / "deploy" / "b300-ds41"
+HERE = Path(__file__).resolve().parent
+BAD = HERE / "bad"
+
+# Each shipped topology and facts its resolved layout must show.
+SHIPPED = {
+    "tp.yml": ["tp.yml/sglang [host local] port 30000, GPUs 0,1,2,3",
+               "TP 4, EP 4, DP 1, attention TP 4, attention DP 1, attention CP 1; no PD; DSpark on",
+               "vision on"],
+    "dp-attention.yml": ["GPUs 0,1,2,3,4,5,6,7", "attention DP 8, attention CP 1; no PD; DSpark on",
+                         "decoder SWA replay off"],
+    "cp.yml": ["attention CP 4 (interleave); no PD; DSpark off", "vision on"],
+    "cp-dspark.yml": ["TP 8, EP 8", "attention CP 8 (interleave); no PD; DSpark on", "decoder SWA replay off"],
+    "cp-dspark-l3.yml": ["attention CP 4 (interleave)",
+                         "hierarchical cache L2 + L3 mooncake (master 127.0.0.1:50051)",
+                         "cp-dspark-l3.yml/mooncake-master [host local] Mooncake master on port 50051"],
+    "cp-instances.yml": ["cp-instances.yml/cp2-a [host local] port 30010, GPUs 0,1",
+                         "cp-instances.yml/cp2-d [host local] port 30040, GPUs 6,7",
+                         "router on port 30000 -> http://127.0.0.1:30010, http://127.0.0.1:30020, "
+                         "http://127.0.0.1:30030, http://127.0.0.1:30040",
+                         "(4 sglang servers, 1 routers, 1 Mooncake masters)"],
+    "pd-1p1d.yml": ["attention CP 4 (interleave); PD prefill (bootstrap 8998)",
+                    "attention DP 4, attention CP 1; PD decode", "vision off"],
+    "pd-1p1d-vision.yml": ["PD prefill (bootstrap 8998)", "PD decode", "vision on"],
+    "pd-3p1d.yml": ["PD prefill (bootstrap 8998)", "PD prefill (bootstrap 8999)", "PD prefill (bootstrap 9000)",
+                    "pd-3p1d.yml/decode [host local] port 30040, GPUs 6,7",
+                    "(4 sglang servers, 1 routers, 1 Mooncake masters)"],
+}
+
+# Known-bad topology -> (label of the service blamed, fragments of the reason, number of problems).
+BAD_CASES = {
+    "crash-cp-dspark-replay.yml": ("crash-cp-dspark-replay.yml/sglang",
+                                   ["cp4 + dspark + replay always crashes",
+                                    "remove --enable-decoder-swa-bounded-replay"], 1),
+    "crash-dp-dspark-replay.yml": ("crash-dp-dspark-replay.yml/sglang",
+                                   ["dp + dspark cannot use --enable-decoder-swa-bounded-replay",
+                                    "--no-enable-decoder-swa-bounded-replay"], 1),
+    "pd-shape-mismatch.yml": ("pd-shape-mismatch.yml/prefill -> pd-shape-mismatch.yml/decode",
+                              ["PD handshake would reject", "attn_tp_size: prefill=1, decode=4",
+                               "attn_cp_size: prefill=2, decode=1"], 1),
+    "pd-block-size-mismatch.yml": ("pd-block-size-mismatch.yml/prefill -> pd-block-size-mismatch.yml/decode",
+                                   ["layout mismatch", "spec_layout.num_draft_tokens: prefill=6, decode=4"], 1),
+    "gpu-overlap.yml": ("gpu-overlap.yml/b", ["GPU 1 is also used by gpu-overlap.yml/a"], 1),
+    "zigzag-vision.yml": ("zigzag-vision.yml/sglang",
+                          ["vision with prefill CP requires --cp-strategy interleave", "zigzag"], 1),
+    "missing-mooncake-master.yml": ("missing-mooncake-master.yml/sglang",
+                                    ["master 127.0.0.1:50051", "no mooncake_master service"], 1),
+    "bootstrap-port-collision.yml": ("bootstrap-port-collision.yml/prefill-2",
+                                     ["port 8998 (PD bootstrap) is also bound by bootstrap-port-collision.yml/prefill-1"], 1),
+    "no-router.yml": ("no-router.yml/a", ["no router in the plan sends it traffic"], 2),
+    "health-port-mismatch.yml": ("health-port-mismatch.yml/sglang",
+                                 ["healthcheck does not probe its port 30000"], 1),
+    "gpu-count-mismatch.yml": ("gpu-count-mismatch.yml/sglang", ["needs 4 GPUs", "sees 2: 0,1"], 1),
+    "pd-vision-one-side.yml": ("pd-vision-one-side.yml/prefill -> pd-vision-one-side.yml/decode",
+                               ["vision is on for one side only"], 1),
+    "router-bootstrap-mismatch.yml": ("router-bootstrap-mismatch.yml/router",
+                                      ["gives bootstrap port 8999", "serves bootstrap on 8998"], 1),
+    "pd-dspark-dynamic-verify.yml": ("pd-dspark-dynamic-verify.yml/prefill",
+                                     ["sglang refuses these arguments", "requires static verify"], 1),
+}
+
+ENV = {
+    "IMAGE": "registry.invalid/sglang-dsv41:test",
+    "MODEL_PATH": "/data/models/DeepSeek-V4.1-Flash",
+    "SGLANG_CACHE_DIR": "/data/cache/sglang",
+}
+
+
+def _errors(output: str) -> list[str]:
+    return [line.strip()[len("ERROR "):] for line in output.splitlines() if line.strip().startswith("ERROR ")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    # A copy without any .env a developer keeps there: the shipped defaults are checked.
+    deploy = tmp_path_factory.mktemp("deploy") / "b300-ds41"
+    shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns(".env"))
+    cases = {f"shipped:{name}": [str(deploy / name)] for name in SHIPPED}
+    cases.update({f"bad:{name}": [str(BAD / name)] for name in BAD_CASES})
+    # Two topologies meant as alternatives, planned together on one host.
+    cases["together:tp+cp"] = [str(deploy / "tp.yml"), str(deploy / "cp.yml")]
+    # A compose file that does not parse the way compose reads it.
+    cases["unreadable"] = [str(BAD / "does-not-exist.yml")]
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import plan_harness
+        print("PLAN-RESULTS " + json.dumps(plan_harness.run({cases!r})))
+    """
+    proc = run_python(textwrap.dedent(code), env=ENV, timeout=420)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PLAN-RESULTS ")), None)
+    assert line, f"harness failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("PLAN-RESULTS "):])
+
+
+def test_shipped_topologies_are_exactly_the_documented_ones():
+    on_disk = {p.name for p in DEPLOY.glob("*.yml")}
+    assert on_disk == set(SHIPPED)
+    readme = (DEPLOY / "README.md").read_text()
+    for name in SHIPPED:
+        assert f"`{name}`" in readme, f"{name} missing from deploy/b300-ds41/README.md"
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_topology_passes_plan(results, name):
+    result = results[f"shipped:{name}"]
+    assert result["rc"] == 0, result["output"]
+    assert "plan: OK" in result["output"]
+    for fact in SHIPPED[name]:
+        assert fact in result["output"], f"{fact!r} not in:\n{result['output']}"
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+def test_bad_topology_is_rejected_naming_service_and_reason(results, name):
+    blamed, reasons, count = BAD_CASES[name]
+    result = results[f"bad:{name}"]
+    assert result["rc"] == 1, result["output"]
+    errors = _errors(result["output"])
+    assert len(errors) == count, result["output"]
+    mine = [e for e in errors if e.startswith(blamed + ": ")]
+    assert mine, f"no error blames {blamed}:\n{result['output']}"
+    for reason in reasons:
+        assert any(reason in e for e in mine), f"{reason!r} not in {mine}"
+
+
+def test_alternative_topologies_together_collide_on_gpus_and_port(results):
+    result = results["together:tp+cp"]
+    assert result["rc"] == 1
+    errors = _errors(result["output"])
+    assert any(re.match(r"cp\.yml/sglang: GPU 0 is also used by tp\.yml/sglang", e) for e in errors), errors
+    assert any("port 30000 (HTTP (--port)) is also bound by tp.yml/sglang" in e for e in errors), errors
+
+
+def test_unreadable_file_is_reported_with_status_2(results):
+    result = results["unreadable"]
+    assert result["rc"] == 2
+    assert "does-not-exist.yml" in result["output"] and "no such compose file" in result["output"]
