@@ -172,10 +172,11 @@ def _require_layout_field(info_class) -> None:
         )
 
 
-def around_try_ensure_parallel_info(original, self, bootstrap_addr, *args, **kwargs):
-    """AROUND CommonKVManager.try_ensure_parallel_info (decode side)."""
+def around_try_ensure_parallel_info(original, self, *args, **kwargs):
+    """AROUND CommonKVManager.try_ensure_parallel_info(self, bootstrap_addr) (decode side)."""
+    bootstrap_addr = args[0] if args else kwargs["bootstrap_addr"]
     if bootstrap_addr in self.prefill_info_table:
-        return original(self, bootstrap_addr, *args, **kwargs)
+        return original(self, *args, **kwargs)
     from sglang.srt.disaggregation.common import conn
 
     _require_layout_field(
@@ -183,7 +184,7 @@ def around_try_ensure_parallel_info(original, self, bootstrap_addr, *args, **kwa
     )
     handshake = _Handshake(self, bootstrap_addr)
     with _scoped_info_class(conn, handshake):
-        ready = original(handshake.view, bootstrap_addr, *args, **kwargs)
+        ready = original(handshake.view, *args, **kwargs)
     if bootstrap_addr in self.prefill_info_table and not handshake.checked:
         # Upstream cached peer info without passing our check: its flow changed.
         self.prefill_info_table.pop(bootstrap_addr, None)
