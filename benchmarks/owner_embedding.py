@@ -1,0 +1,440 @@
+"""Replicated image encode vs owner broadcast, per batch of images, from one run.
+
+Stock sglang encodes every image of a chunk on every rank of a TP group. The
+owner protocol (sglang_dsv41.core.owner_embedding) encodes each image once, on
+its owner, and broadcasts it. This script times both for a batch of images
+through a ViT-shaped encoder with random weights, for several image sizes and
+cache-hit rates, and prints time per batch and owner/replicated.
+
+Imports only torch and sglang_dsv41.core (run with PYTHONPATH=python).
+
+Modes
+  --mode gloo --world N      N CPU processes, real gloo group, real protocol.
+                             Both variants run in every rank; the time of a batch
+                             is the slowest rank's (the group waits for it).
+  --mode single-gpu --world R
+                             What one GPU can measure for a group of R:
+                               measured  encoder time for all cache misses
+                               measured  encoder time for each owner's share
+                                         (owner = hash mod R); the largest counts
+                               measured  device copy of each owner's payload
+                                         bytes (a stand-in for the broadcast)
+                               measured  the protocol's agreements: the real
+                                         protocol over R gloo CPU processes with
+                                         one-wide spans and a no-op encoder
+                               derived   owner = max share + copies + agreements;
+                                         replicated = all misses
+  --mode nccl --world 2      Two GPUs, NCCL for spans and gloo for agreements,
+                             real protocol; skips (exit 0) with fewer GPUs.
+
+Examples
+  PYTHONPATH=python python benchmarks/owner_embedding.py --mode gloo --world 2
+  PYTHONPATH=python python benchmarks/owner_embedding.py --mode single-gpu --world 8
+  PYTHONPATH=python python benchmarks/owner_embedding.py --mode nccl --world 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, TorchDistributedGroup
+
+PRESETS = {
+    # Sized like DeepSeek-V4.1's vision tower and hidden size.
+    "gpu": dict(dim=1024, heads=16, inter=2816, layers=24, hidden=7168, dtype="bfloat16",
+                sizes="8x8,32x32,64x64", images=8, hit_rates="0,0.5,1", iters=10, warmup=2),
+    # Same shape, narrower and shallower, so a 2-core CPU finishes in a minute or two.
+    "cpu": dict(dim=256, heads=4, inter=704, layers=4, hidden=1024, dtype="float32",
+                sizes="4x4,16x16,32x32", images=8, hit_rates="0,0.5,1", iters=3, warmup=1),
+}
+PATCH = 14
+RATIO = 3
+
+
+# ---------------------------------------------------------------- the encoder
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, inter):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, inter), nn.Linear(inter, dim)
+
+    def forward(self, x):
+        tokens, dim = x.shape
+        # [1, heads, tokens, head_dim]: the layout fused attention kernels take
+        q, k, v = self.qkv(self.norm1(x)).view(1, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(tokens, dim)
+        x = x + self.proj(attn)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ViTLike(nn.Module):
+    """Patch embedding, transformer blocks, an r x r merge into the LM width,
+    and start / newline / end rows around the grid, like DeepSeek-V4.1's spans."""
+
+    def __init__(self, dim, heads, inter, layers, hidden):
+        super().__init__()
+        self.patch_embed = nn.Linear(3 * PATCH * PATCH, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, inter) for _ in range(layers))
+        self.aligner = nn.Linear(dim * RATIO * RATIO, hidden)
+        self.specials = nn.Parameter(torch.randn(3, hidden))
+
+    @staticmethod
+    def span_len(grid_h, grid_w):
+        n_h, n_w = math.ceil(grid_h / RATIO), math.ceil(grid_w / RATIO)
+        return 2 + n_h * (n_w + 1)
+
+    @torch.inference_mode()
+    def encode_image(self, pixels, grid_h, grid_w):
+        x = self.patch_embed(pixels)
+        for block in self.blocks:
+            x = block(x)
+        n_h, n_w = math.ceil(grid_h / RATIO), math.ceil(grid_w / RATIO)
+        grid = x.view(grid_h, grid_w, -1)
+        grid = F.pad(grid, (0, 0, 0, n_w * RATIO - grid_w, 0, n_h * RATIO - grid_h))
+        merged = grid.view(n_h, RATIO, n_w, RATIO, -1).permute(0, 2, 1, 3, 4).reshape(n_h, n_w, -1)
+        rows = self.aligner(merged)  # [n_h, n_w, hidden]
+        newline = self.specials[1].expand(n_h, 1, -1)
+        body = torch.cat([rows, newline], dim=1).reshape(-1, rows.shape[-1])
+        return torch.cat([self.specials[:1], body, self.specials[2:]])
+
+    def __call__(self, requests):
+        # One call for all of a rank's misses; images are encoded one by one
+        # inside, as DeepSeek-V4.1's get_image_feature does.
+        return [self.encode_image(r.item.pixels, r.item.grid_h, r.item.grid_w) for r in requests]
+
+
+# ---------------------------------------------------------------- pieces
+
+
+class DictCache:
+    def __init__(self):
+        self.entries = {}
+
+    def get(self, content_hash):
+        return self.entries.get(content_hash)
+
+    def set(self, content_hash, span):
+        self.entries[content_hash] = span
+        return True
+
+    def free(self, content_hash):
+        self.entries.pop(content_hash, None)
+
+
+def parse_sizes(text):
+    return [tuple(int(v) for v in size.split("x")) for size in text.split(",")]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def batch_requests(seed, images, grid, pixels):
+    """One batch: distinct content hashes (fresh per batch, so nothing leaks
+    between measurements), one grid size."""
+    generator = torch.Generator().manual_seed(seed)
+    hashes = torch.randint(0, 2**62, (images,), generator=generator).tolist()
+    span_len = ViTLike.span_len(*grid)
+    item = SimpleNamespace(pixels=pixels, grid_h=grid[0], grid_w=grid[1])
+    return [SpanRequest(content_hash=h, span_len=span_len, item=item, inside_chunk=True)
+            for h in hashes]
+
+
+def preload(cache, requests, hit_rate, hidden, dtype, device):
+    hits = round(hit_rate * len(requests))
+    for request in requests[:hits]:
+        cache.set(request.content_hash, torch.zeros(request.span_len, hidden, dtype=dtype, device=device))
+
+
+def replicated_encode(requests, cache, encoder):
+    """What every rank does in stock sglang: serve hits, encode every miss."""
+    features, misses = {}, []
+    for request in requests:
+        span = cache.get(request.content_hash)
+        if span is not None and span.shape[0] == request.span_len:
+            features[request.key] = span
+        else:
+            misses.append(request)
+    if misses:
+        for request, span in zip(misses, encoder(misses)):
+            cache.set(request.content_hash, span)
+            features[request.key] = span
+    return features
+
+
+def owner_encode(group, requests, cache, encoder, hidden, dtype, device):
+    session = OwnerSession(group, device=device, dtype=dtype, width=hidden,
+                           request_ids=["bench"], signature=lambda item, n: (item.grid_h, item.grid_w))
+    with session.fence():
+        features = session.resolve(requests, cache, encoder)
+        session.features_ready()
+    return features
+
+
+# ---------------------------------------------------------------- distributed modes
+
+
+def group_worker(rank, world, backend, store, args, queue):
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    object_group = dist.new_group(list(range(world)), backend="gloo") if backend == "nccl" else None
+    group = TorchDistributedGroup(dist.group.WORLD, object_group)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    encoder = ViTLike(args.dim, args.heads, args.inter, args.layers, args.hidden).to(device, dtype)
+
+    def slowest(seconds):
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=object_group)
+        return value.item()
+
+    rows = []
+    seed = 0
+    for grid in parse_sizes(args.sizes):
+        pixels = torch.randn(grid[0] * grid[1], 3 * PATCH * PATCH, device=device, dtype=dtype)
+        for hit_rate in [float(v) for v in args.hit_rates.split(",")]:
+            timings = {"replicated": [], "owner": []}
+            for iteration in range(args.warmup + args.iters):
+                for variant in ("replicated", "owner"):
+                    seed += 1
+                    requests = batch_requests(seed, args.images, grid, pixels)
+                    cache = DictCache()
+                    preload(cache, requests, hit_rate, args.hidden, dtype, device)
+                    dist.barrier(group=object_group)
+                    start = time.perf_counter()
+                    if variant == "replicated":
+                        replicated_encode(requests, cache, encoder)
+                    else:
+                        owner_encode(group, requests, cache, encoder, args.hidden, dtype, device)
+                    synchronize(device)
+                    elapsed = slowest(time.perf_counter() - start)
+                    if iteration >= args.warmup:
+                        timings[variant].append(elapsed)
+            rows.append((grid, hit_rate, ViTLike.span_len(*grid),
+                         statistics.median(timings["replicated"]), statistics.median(timings["owner"])))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier(group=object_group)
+    dist.destroy_process_group()
+
+
+def run_group(args, backend):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=group_worker, args=(rank, args.world, backend, store, args, queue))
+                 for rank in range(args.world)]
+        for proc in procs:
+            proc.start()
+        rows = queue.get()
+        for proc in procs:
+            proc.join()
+    header = (f"mode={args.mode} world={args.world} images/batch={args.images} "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+              f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
+              f"hidden={args.hidden} {args.dtype} threads/rank={args.threads} "
+              f"median of {args.iters} batches; time = slowest rank")
+    print(header)
+    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'replicated ms':>14} {'owner ms':>10} {'owner/repl':>10}")
+    for grid, hit_rate, span_len, replicated, owner in rows:
+        print(f"{grid[0]:>3}x{grid[1]:<3} {span_len:>5} {hit_rate:>5.2f} {replicated * 1e3:>14.2f} "
+              f"{owner * 1e3:>10.2f} {owner / replicated:>10.2f}")
+
+
+# ---------------------------------------------------------------- single GPU
+
+
+def agreement_worker(rank, world, store, args, plans, queue):
+    """The real protocol on gloo CPU processes with one-wide spans and a
+    no-op encoder: what the agreements and span bookkeeping cost."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    group = TorchDistributedGroup(dist.group.WORLD)
+
+    def no_op_encoder(requests):
+        return [torch.zeros(r.span_len, 1) for r in requests]
+
+    out = {}
+    for plan_index, (key, (span_lens, hits)) in enumerate(plans.items()):
+        times = []
+        for iteration in range(args.warmup + args.iters):
+            generator = torch.Generator().manual_seed(10_000 * plan_index + iteration)
+            hashes = torch.randint(0, 2**62, (len(span_lens),), generator=generator).tolist()
+            requests = [SpanRequest(content_hash=h, span_len=n, item=SimpleNamespace(grid_h=n, grid_w=1))
+                        for h, n in zip(hashes, span_lens)]
+            cache = DictCache()
+            preload(cache, requests, hits / max(len(requests), 1), 1, torch.float32, torch.device("cpu"))
+            dist.barrier()
+            start = time.perf_counter()
+            owner_encode(group, requests, cache, no_op_encoder, 1, torch.float32, torch.device("cpu"))
+            value = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            if iteration >= args.warmup:
+                times.append(value.item())
+        out[key] = statistics.median(times)
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def measure_agreements(args, plans):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=agreement_worker, args=(rank, args.world, store, args, plans, queue))
+                 for rank in range(args.world)]
+        for proc in procs:
+            proc.start()
+        out = queue.get()
+        for proc in procs:
+            proc.join()
+    return out
+
+
+def time_on(fn, device, repeats):
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_single_gpu(args):
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("single-gpu mode: no CUDA device; nothing measured (--device cpu runs it on the CPU)")
+        return
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    encoder = ViTLike(args.dim, args.heads, args.inter, args.layers, args.hidden).to(device, dtype)
+    world = args.world
+    rows, plans = [], {}
+    for grid in parse_sizes(args.sizes):
+        pixels = torch.randn(grid[0] * grid[1], 3 * PATCH * PATCH, device=device, dtype=dtype)
+        for hit_rate in [float(v) for v in args.hit_rates.split(",")]:
+            requests = batch_requests(1000 + len(rows), args.images, grid, pixels)
+            hits = round(hit_rate * len(requests))
+            misses = requests[hits:]
+            for _ in range(args.warmup):
+                encoder(misses)
+            synchronize(device)
+            # Replicated: cache lookups plus every miss, with a fresh cache each time.
+            caches = []
+            for _ in range(args.iters):
+                caches.append(DictCache())
+                preload(caches[-1], requests, hit_rate, args.hidden, dtype, device)
+            all_misses = time_on(lambda: replicated_encode(requests, caches.pop(), encoder),
+                                 device, args.iters)
+            shares = [[r for r in misses if r.content_hash % world == owner] for owner in range(world)]
+            share_times = [time_on(lambda s=s: encoder(s), device, args.iters) if s else 0.0
+                           for s in shares]
+            # Every non-local span moves once, from its owner: with cold caches
+            # on the other ranks that is every miss.
+            copy_total = 0.0
+            for share in shares:
+                if not share:
+                    continue
+                rows_total = sum(r.span_len for r in share)
+                src = torch.empty(rows_total, args.hidden, device=device, dtype=dtype)
+                dst = torch.empty_like(src)
+                copy_total += time_on(lambda: dst.copy_(src), device, args.iters)
+            payload_bytes = sum(r.span_len for r in misses) * args.hidden * torch.finfo(dtype).bits // 8
+            key = f"{grid[0]}x{grid[1]}@{hit_rate}"
+            plans[key] = ([r.span_len for r in requests], hits)
+            rows.append(dict(key=key, grid=grid, hit_rate=hit_rate, span_len=requests[0].span_len,
+                             all_misses=all_misses, max_share=max(share_times), copies=copy_total,
+                             payload_mb=payload_bytes / 2**20,
+                             largest_share=max(len(s) for s in shares)))
+    agreements = measure_agreements(args, plans)
+    print(f"mode=single-gpu device={device} group size R={world} (derived) images/batch={args.images} "
+          f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
+          f"hidden={args.hidden} {args.dtype}; median of {args.iters}")
+    print("measured: encoder(all misses), encoder(each owner's share), device copy of payload bytes, "
+          f"agreements (real protocol, {world} gloo CPU processes); derived: owner total, ratio")
+    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'repl ms':>9} {'max share ms':>12} {'imgs':>4} "
+          f"{'copy ms':>8} {'MiB':>7} {'agree ms':>9} {'owner ms':>9} {'owner/repl':>10}")
+    for row in rows:
+        agree = agreements[row["key"]]
+        owner = row["max_share"] + row["copies"] + agree
+        replicated = row["all_misses"]
+        ratio = owner / replicated
+        grid = row["grid"]
+        print(f"{grid[0]:>3}x{grid[1]:<3} {row['span_len']:>5} {row['hit_rate']:>5.2f} "
+              f"{replicated * 1e3:>9.2f} {row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
+              f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f} "
+              f"{owner * 1e3:>9.2f} {ratio:>10.2f}")
+
+
+# ---------------------------------------------------------------- main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["gloo", "single-gpu", "nccl"], default="gloo")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], help="alias: --backend gloo is --mode gloo")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--preset", choices=sorted(PRESETS))
+    for name in ("dim", "heads", "inter", "layers", "hidden", "images", "iters", "warmup"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--dtype")
+    parser.add_argument("--sizes", help="ViT patch grids, e.g. 4x4,16x16,32x32")
+    parser.add_argument("--hit-rates", dest="hit_rates", help="e.g. 0,0.5,1")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    parser.add_argument("--device", default="cuda", help="single-gpu mode only (cpu: smoke test)")
+    args = parser.parse_args()
+    if args.backend:
+        args.mode = args.backend
+    preset = PRESETS[args.preset or ("cpu" if args.mode == "gloo" else "gpu")]
+    for name, value in preset.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.mode == "gloo":
+        run_group(args, "gloo")
+    elif args.mode == "nccl":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < args.world:
+            print(f"nccl mode: needs {args.world} GPUs, found {available}; skipped")
+            return
+        run_group(args, "nccl")
+    else:
+        run_single_gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
