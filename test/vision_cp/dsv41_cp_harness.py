@@ -19,11 +19,11 @@ objects the way sglang's HookRegistry wraps them, and restores the originals.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pkgutil
 import socket
 import traceback
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Callable, Sequence
 from unittest.mock import patch
 
@@ -148,20 +148,22 @@ def cp_scope(size: int, rank: int, group, *, strategy: str = "interleave"):
 class PeerShardsGroup:
     """Attention-CP group of one process standing for ``rank`` of ``size``.
 
-    ``full`` is what the gathered tensor must become; peers contribute their
-    interleave shards of it, and this rank's contribution is checked to be its own.
+    ``expected`` lists, gather by gather, what the gathered tensor must become;
+    peers contribute their interleave shards of it, and this rank's contribution
+    is checked to be exactly its own shard.
     """
 
-    def __init__(self, size: int, rank: int, full: torch.Tensor | None = None):
+    def __init__(self, size: int, rank: int, expected: Sequence[torch.Tensor] = ()):
         self.world_size = size
         self.rank_in_group = rank
-        self.full = full
+        self.expected = list(expected)
         self.gathers = 0
 
     def all_gather_into_tensor(self, output: torch.Tensor, local: torch.Tensor) -> None:
-        assert self.full is not None, "set PeerShardsGroup.full before the gather"
+        assert self.gathers < len(self.expected), "more all-gathers than expected"
+        full = self.expected[self.gathers]
         rows = local.shape[0]
-        shards = [padded(interleave_rows(self.full, r, self.world_size), rows)
+        shards = [padded(interleave_rows(full, r, self.world_size), rows)
                   for r in range(self.world_size)]
         torch.testing.assert_close(local, shards[self.rank_in_group].to(local.dtype),
                                    rtol=0, atol=0)
@@ -201,9 +203,9 @@ def _gloo_rank_main(rank, world, port, layouts, body, results):
         results.put((rank, "ok", body(rank, groups)))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # report, never hang the parent
+    except BaseException:  # report it; the parent stops the other ranks
+        # Return normally (no os._exit) so the queue's feeder thread delivers this.
         results.put((rank, "error", traceback.format_exc()))
-        os._exit(1)
 
 
 def run_gloo_ranks(world: int, layouts: dict, body: Callable, timeout: float = 150):
@@ -211,6 +213,12 @@ def run_gloo_ranks(world: int, layouts: dict, body: Callable, timeout: float = 1
     ``layouts`` ({name: [[ranks of group 0], [ranks of group 1], ...]}) and runs
     ``body(rank, {name: GroupCoordinator})``. Returns {rank: body's result}; raises
     with every failing rank's traceback."""
+    # Import what the ranks run before forking, so no rank pays for the import.
+    import sglang.srt.distributed.parallel_state  # noqa: F401
+    import sglang.srt.layers.cp.utils  # noqa: F401
+    import sglang.srt.model_executor.runner.eager_runner  # noqa: F401
+    import sglang.srt.models.deepseek_v4  # noqa: F401
+
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
@@ -238,3 +246,156 @@ def run_gloo_ranks(world: int, layouts: dict, body: Callable, timeout: float = 1
     if errors:
         raise AssertionError("gloo rank failed\n" + "\n".join(errors))
     return outcomes
+
+
+# --- a V4.1 model with stand-in vision encoder and transformer body ----------------------
+
+POSITION_MARK = 1e-3  # the body adds position * POSITION_MARK, so row order is checkable
+
+
+def span_for(item, hidden: int) -> torch.Tensor:
+    """The complete embedding span the vision stand-in returns for one image item."""
+    start, end = item.offsets[0]
+    rows = end - start + 1
+    base = 1000.0 * (1 + int(item.hash % 7))
+    return base + torch.arange(rows * hidden, dtype=torch.float32).view(rows, hidden)
+
+
+class StandInBody:
+    """Transformer-body stand-in: records what it receives and returns DSv4's
+    ``(hidden_states, hidden_states_before_norm)``, where hidden = embeds +
+    position * POSITION_MARK and pre-norm = hidden + 0.5 (so a gather that mixes
+    rows, or mixes the two tensors, shows)."""
+
+    def __init__(self, embed):
+        self.embed = embed
+        self.calls = []
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def __call__(self, input_ids, positions, forward_batch, input_embeds=None, **kwargs):
+        self.calls.append(SimpleNamespace(
+            input_ids=input_ids.clone(), positions=positions.clone(),
+            input_embeds=input_embeds.clone(), kwargs=kwargs,
+            input_ids_global=getattr(forward_batch, "input_ids_global", None),
+        ))
+        hidden = input_embeds + positions.to(input_embeds.dtype)[:, None] * POSITION_MARK
+        return hidden, hidden + 0.5
+
+
+def expected_hidden(full_embeds: torch.Tensor, positions: torch.Tensor):
+    hidden = full_embeds + positions.to(full_embeds.dtype)[:, None] * POSITION_MARK
+    return hidden, hidden + 0.5
+
+
+def make_v4_model(embed, *, vision: bool, image_token_id: int):
+    """sglang's DeepseekV4ForCausalLM methods on stand-in vision and body modules
+    (the real constructor needs CUDA; test_deepseek_v41_vision_cp_build.py runs it)."""
+    from torch import nn
+
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    class StandInV4Model(DeepseekV4ForCausalLM):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.config = SimpleNamespace(image_token_id=image_token_id,
+                                          hidden_size=embed.embedding_dim)
+            # A vision model's marker; the encoder itself is get_image_feature.
+            self.vision = object() if vision else None
+            self.mm_owner_group = None
+            self.model = StandInBody(embed)
+            self.pp_group = SimpleNamespace(is_last_rank=True)
+            self.lm_head = object()
+            self.capture_aux_hidden_states = False
+            self.encoded = []
+            self.logits_calls = []
+
+        def get_image_feature(self, items):
+            self.encoded.extend(item.hash for item in items)
+            return [span_for(item, embed.embedding_dim) for item in items]
+
+        def logits_processor(self, input_ids, hidden_states, lm_head, logits_metadata,
+                             aux_hidden_states=None, hidden_states_before_norm=None):
+            self.logits_calls.append(SimpleNamespace(
+                input_ids=input_ids, hidden_states=hidden_states,
+                logits_metadata=logits_metadata, aux_hidden_states=aux_hidden_states,
+                hidden_states_before_norm=hidden_states_before_norm,
+            ))
+            return "logits"
+
+    return StandInV4Model()
+
+
+def image_item(hash_value: int, offsets):
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
+
+    item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(1),
+                              offsets=[tuple(offsets)])
+    item.set_hash(hash_value)
+    return item
+
+
+def image_step(requests, images, *, image_token_id: int, vocab: int):
+    """One extend step of ``requests`` [(prefix, length)] whose request i carries the
+    image items ``images[i]`` (a list, or None for a request without multimodal
+    inputs). Returns (batch, model_ids, merged) where model_ids are the ids the
+    language model must see and merged(embed) the expected merged embeddings."""
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+    scheduler_ids, image_rows = [], {}
+    for index, (prefix, length) in enumerate(requests):
+        ids = [(7 + index * 13 + pos) % vocab for pos in range(prefix, prefix + length)]
+        for item in images[index] or ():
+            start, end = item.offsets[0]
+            span_ids = item.padding_sequence(end - start + 1)
+            for pos in range(max(start, prefix), min(end, prefix + length - 1) + 1):
+                ids[pos - prefix] = span_ids[pos - start]
+                image_rows[len(scheduler_ids) + pos - prefix] = (item, pos - start)
+        scheduler_ids.extend(ids)
+    ids_tensor = torch.tensor(scheduler_ids, dtype=torch.long)
+    mm_inputs = [
+        None if items is None else MultimodalInputs(mm_items=list(items),
+                                                    im_token_id=image_token_id)
+        for items in images
+    ]
+    if all(m is None for m in mm_inputs):
+        mm_inputs = None
+    batch = extend_batch([n for _, n in requests], [p for p, _ in requests],
+                         input_ids=ids_tensor, mm_inputs=mm_inputs)
+    model_ids = ids_tensor.clone()
+    for row in image_rows:
+        model_ids[row] = image_token_id
+
+    def merged(embed) -> torch.Tensor:
+        with torch.no_grad():
+            full = embed(model_ids).clone()
+            for row, (item, span_row) in image_rows.items():
+                full[row] = span_for(item, embed.embedding_dim)[span_row]
+        return full
+
+    return batch, model_ids, merged
+
+
+# --- one eager CP extend step ----------------------------------------------------------
+
+def run_extend_cp(model, batch, size: int, rank: int, group, kwargs=None):
+    """Build the CP metadata and run EagerRunner._execute_extend_cp as rank ``rank``."""
+    from sglang.srt.layers.cp.utils import is_cp_active, prepare_cp_forward
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+
+    runner = EagerRunner.__new__(EagerRunner)
+    runner.model_runner = SimpleNamespace(model=model)
+    with cp_scope(size, rank, group), torch.no_grad():
+        assert is_cp_active(batch)
+        prepare_cp_forward(batch)
+        return runner._execute_extend_cp(batch, dict(kwargs or {}))
+
+
+def gloo_group_for(size: int, rank: int, groups: dict):
+    """The attention-CP group of ``size`` containing world ``rank`` (see CP_LAYOUTS)."""
+    return groups["pairs"] if size == 2 else groups["quad"]
+
+
+# A 4-process world holds two independent CP-2 groups and one CP-4 group.
+CP_LAYOUTS = {"pairs": [[0, 1], [2, 3]], "quad": [[0, 1, 2, 3]]}
