@@ -233,7 +233,7 @@ def run_sender(ready: dict):
 
     if CFG["routing"]:
         kinds = KindTable(plan.classified, memory.kind_of)
-        router = TransferRouter(kinds.kind_of, memory)
+        router = TransferRouter(kinds, memory)
         t0 = time.perf_counter()
         out["route_rc"] = router.route(blocks, send_device,
                                        lambda: SideChannel(room=1, send=conn.send))

@@ -156,6 +156,40 @@ class KindTable:
             return self._fallback(ptr)
         return self._kinds[j]
 
+    def _span_of(self, ptr: int) -> tuple[int, int, bool]:
+        """(start, end, is_device) of the known region holding ptr, or of ptr alone."""
+        j = self._table.index_containing(ptr, 1)
+        if j is None:
+            return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
+        start, size = self._table._regions[j]
+        return start, start + size, self._kinds[j] is MemoryKind.DEVICE
+
+    def split(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[Block]]:
+        """Like ``split_by_source``, tuned for the hot path.
+
+        Consecutive blocks mostly come from one buffer (upstream builds batches
+        layer by layer), so the last region is remembered and most blocks cost
+        one range test. An all-device batch is returned as it came, uncopied.
+        """
+        host_at = self._host_positions(blocks)
+        if not host_at:
+            return blocks, []
+        host_set = set(host_at)
+        device = [b for i, b in enumerate(blocks) if i not in host_set]
+        return device, [blocks[i] for i in host_at]
+
+    def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
+        lo = hi = 0
+        is_device = True
+        host_at: list[int] = []
+        for i, block in enumerate(blocks):
+            src = block[0]
+            if not lo <= src < hi:
+                lo, hi, is_device = self._span_of(int(src))
+            if not is_device:
+                host_at.append(i)
+        return host_at
+
 
 # --- registration -------------------------------------------------------------
 
@@ -424,12 +458,16 @@ class TransferRouter:
 
     def __init__(
         self,
-        kind_of: Callable[[int], MemoryKind],
+        classifier: "KindTable | Callable[[int], MemoryKind]",
         memory: MemoryAccess,
         max_message_payload: int = DEFAULT_MAX_MESSAGE_PAYLOAD,
         log: logging.Logger = logger,
     ):
-        self.kind_of = kind_of
+        """``classifier``: a KindTable (fast path) or any local-pointer classifier."""
+        if isinstance(classifier, KindTable):
+            self._split = classifier.split
+        else:
+            self._split = lambda blocks: split_by_source(blocks, classifier)
         self.memory = memory
         self.max_message_payload = max_message_payload
         self.log = log
@@ -446,7 +484,7 @@ class TransferRouter:
         so a status the caller sends afterwards on the same socket comes after them.
         """
         try:
-            device, host = split_by_source(blocks, self.kind_of)
+            device, host = self._split(blocks)
         except Exception as exc:
             self.log.error("cannot classify transfer sources: %s", exc)
             return -1

@@ -101,7 +101,7 @@ def after_registerable_regions(result, self):
         memory = state.memory
     plan = plan_registration(list(result), memory.kind_of)
     kinds = KindTable(plan.classified, memory.kind_of)
-    self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds.kind_of, memory))
+    self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds, memory))
     (logger.info if state is None else logger.debug)(
         "[sglang-dsv41] Mooncake intra-node NVLink transport active (%s): registering %d "
         "device regions; %s",
@@ -147,8 +147,10 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
     state = _routing_state(self)
     if state is None or not transfer_blocks:
         return original(self, mooncake_session_id, transfer_blocks)
+    if not isinstance(transfer_blocks, list):
+        transfer_blocks = list(transfer_blocks)
     return state.router.route(
-        list(transfer_blocks),
+        transfer_blocks,
         lambda device_blocks: original(self, mooncake_session_id, device_blocks),
         lambda: _side_channel(self, mooncake_session_id),
     )
