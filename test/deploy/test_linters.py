@@ -6,6 +6,7 @@ Each linter is also shown a broken file, so a linter that checks nothing fails."
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -104,3 +105,25 @@ def test_workflow_builds_what_the_issue_asks():
         assert name in text
     build = next(s for s in image["steps"] if str(s.get("uses", "")).startswith("docker/build-push-action"))
     assert build["with"]["file"] == "Dockerfile.gitea"
+
+
+def test_env_example_names_every_variable_the_compose_files_use():
+    from sglang_dsv41.core.compose_model import read_env_file
+
+    deploy = REPO_ROOT / "deploy" / "b300-ds41"
+    example = read_env_file(deploy / ".env.example")
+    used = set()
+    for path in [*deploy.glob("*.yml"), *(deploy / "base").glob("*.yml")]:
+        used |= set(re.findall(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)", path.read_text()))
+    assert used - set(example) == set(), "variables missing from .env.example"
+    assert set(example) - used == set(), ".env.example names variables no file uses"
+    for required in ("IMAGE", "MODEL_PATH", "SGLANG_CACHE_DIR"):
+        assert required in used
+
+
+def test_no_personal_paths_or_hot_patches_in_deploy():
+    for path in (REPO_ROOT / "deploy").rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert "/data/ymk" not in text and "ymkymx" not in text, path
+            assert "/sgl-workspace/sglang/python/sglang" not in text, f"{path}: bind-mounted sglang source"
