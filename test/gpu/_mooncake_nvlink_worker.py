@@ -64,6 +64,7 @@ KV_PAIRS = [(3, 0), (4, 1), (5, 2), (40, 63), (41, 10)]
 AUX_PAIR = (2, 7)
 STATE_PAIR = (1, 5)
 AUTHKEY = b"dsv41-mooncake-gpu-test"
+MIN_DEVICE_ALLOC = 16 << 20
 
 
 def pattern(tag: int, n: int) -> torch.Tensor:
@@ -77,7 +78,12 @@ class Buffers:
         dev = torch.device("cuda", CFG["gpu"]) if self.on_gpu else torch.device("cpu")
 
         def device_buf(n, tag):
-            return (pattern(tag, n) if sender else torch.zeros(n, dtype=torch.uint8)).to(dev)
+            # At least 16 MiB per tensor: torch then gives it a cudaMalloc segment of its
+            # own, so the registered pointer is an allocation base, as sglang's KV pools are.
+            t = torch.zeros(max(n, MIN_DEVICE_ALLOC), dtype=torch.uint8, device=dev)[:n]
+            if sender:
+                t.copy_(pattern(tag, n))
+            return t
 
         def host_buf(n, tag):
             t = torch.zeros(n, dtype=torch.uint8, pin_memory=self.on_gpu)

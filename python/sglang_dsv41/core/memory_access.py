@@ -65,11 +65,13 @@ class InjectedKinds(HostMemory):
 
 
 class _CudaPointerAttributes(ctypes.Structure):
+    # The CUDA 11+ layout, plus room in case a newer runtime writes more fields.
     _fields_ = [
         ("type", ctypes.c_int),
         ("device", ctypes.c_int),
         ("devicePointer", ctypes.c_void_p),
         ("hostPointer", ctypes.c_void_p),
+        ("_reserved", ctypes.c_ubyte * 256),
     ]
 
 
