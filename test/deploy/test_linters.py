@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 COMPOSE_FILES = sorted(
     [*(REPO_ROOT / "deploy" / "b300-ds41").glob("*.yml"),
      *(REPO_ROOT / "deploy" / "b300-ds41" / "base").glob("*.yml"),
-     *(Path(__file__).parent / "bad").glob("*.yml")]
+     *(Path(__file__).parent / "bad").rglob("*.yml")]
 )
 DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "Dockerfile.gitea"]
 WORKFLOW = REPO_ROOT / ".gitea" / "workflows" / "build-image.yaml"

@@ -98,6 +98,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     cases.update({f"bad:{name}": [str(BAD / name)] for name in BAD_CASES})
     # Two topologies meant as alternatives, planned together on one host.
     cases["together:tp+cp"] = [str(deploy / "tp.yml"), str(deploy / "cp.yml")]
+    # A PD deployment split over two files, no router: both halves and their pair are checked.
+    cases["split-pd"] = [str(BAD / "split" / "prefill.yml"), str(BAD / "split" / "decode.yml")]
     # A compose file that does not parse the way compose reads it.
     cases["unreadable"] = [str(BAD / "does-not-exist.yml")]
     code = f"""
@@ -148,6 +150,14 @@ def test_alternative_topologies_together_collide_on_gpus_and_port(results):
     errors = _errors(result["output"])
     assert any(re.match(r"cp\.yml/sglang: GPU 0 is also used by tp\.yml/sglang", e) for e in errors), errors
     assert any("port 30000 (HTTP (--port)) is also bound by tp.yml/sglang" in e for e in errors), errors
+
+
+def test_pd_halves_in_separate_files_are_paired_even_without_router(results):
+    errors = _errors(results["split-pd"]["output"])
+    assert len(errors) == 3, errors
+    assert any(e.startswith("prefill.yml/prefill -> decode.yml/decode: the PD handshake would reject") for e in errors)
+    assert any(e.startswith("prefill.yml/prefill: is a PD server but no router") for e in errors)
+    assert any(e.startswith("decode.yml/decode: is a PD server but no router") for e in errors)
 
 
 def test_unreadable_file_is_reported_with_status_2(results):

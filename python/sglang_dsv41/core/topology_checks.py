@@ -436,6 +436,12 @@ def check_routers(plan: Plan) -> tuple[list[tuple[PlannedServer, PlannedServer, 
                                                f"{server.layout.disaggregation_mode} server; route it "
                                                "with --pd-disaggregation"))
         pairs += [(p, d, label) for p in prefills for d in decodes]
+    # PD servers no router joins are still checked against every server of the
+    # other role, so the pairing verdict is there even before a router is added.
+    prefills_all = [s for s in plan.servers if s.layout.disaggregation_mode == "prefill"]
+    decodes_all = [s for s in plan.servers if s.layout.disaggregation_mode == "decode"]
+    pairs += [(p, d, "") for p in prefills_all for d in decodes_all
+              if id(p) not in routed or id(d) not in routed]
     by_file: dict = {}
     for server in plan.servers:
         by_file.setdefault(server.service.compose_file, []).append(server)
