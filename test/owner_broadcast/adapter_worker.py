@@ -243,8 +243,17 @@ def run_all(rank, coordinator, counts):
         run("lookup-fails", [(b_ids, b_mm, b_images, 0, 19)], lookup_fails_on=0),
         run("after-failure", [(b_ids, b_mm, b_images, 0, 19)]),
     ]
+    # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
+    # local lookup from _embed_local_shard and then all-reducing it.
+    ids = torch.tensor([1, 2, 3])
+    embed.__dict__["_embed_local_shard"] = lambda _ids: torch.ones(3, WIDTH)
+    try:
+        forward_uses_local_shard = bool(torch.equal(embed(ids), torch.full((3, WIDTH), 2.0)))
+    finally:
+        del embed.__dict__["_embed_local_shard"]
     results.append({
         "name": "installed",
+        "forward_uses_local_shard": forward_uses_local_shard,
         "rank": rank,
         "init_wrapped": hasattr(DeepseekV4ForCausalLM.__init__, "__wrapped__"),
         "fence_wrapped": hasattr(DeepseekV4ForCausalLM.prepare_language_model_inputs, "__wrapped__"),

@@ -61,6 +61,12 @@ def test_hooks_are_installed_by_sglangs_registry(results):
         assert r["init_wrapped"] and r["fence_wrapped"] and r["mm_replaced"] and r["encode_wrapped"]
 
 
+def test_vocab_parallel_forward_reduces_its_local_shard(results):
+    # Pins the 0.5.23 behaviour the agreed text embedding splits on.
+    for r in both(results, "installed"):
+        assert r["forward_uses_local_shard"]
+
+
 def test_image_chunk_takes_the_owner_path(results):
     r0, r1 = both(results, "owner")
     for r in (r0, r1):
