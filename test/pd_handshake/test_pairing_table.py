@@ -188,7 +188,9 @@ RUNTIME_CASES = [
                  f"{'-allcp' if env else ''}-{p}")
     for dspark, pool, env in VARIANTS
     for p in PREFILLS
-    if not env or p.cp > 1
+    # all-CP transfer matters with prefill CP only; for the non-MLA pool (never a
+    # DSpark pool in practice) prefill attention DP adds nothing the rule reads.
+    if (not env or p.cp > 1) and (pool != "other" or p.dp == 1)
 ]
 
 
