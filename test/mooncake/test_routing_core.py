@@ -318,10 +318,10 @@ def test_router_turns_side_channel_failures_into_a_failed_transfer(failure, capl
 
     if failure == "read":
         memory.read = lambda ptr, n: (_ for _ in ()).throw(MemoryAccessError("bad read"))
-    kind_of = memory.kind_of
-    if failure == "classify":
-        def kind_of(ptr):
-            raise MemoryAccessError("no driver")
+    def unclassifiable(ptr):
+        raise MemoryAccessError("no driver")
+
+    kind_of = unclassifiable if failure == "classify" else memory.kind_of
     with caplog.at_level(logging.ERROR, logger="sglang_dsv41.mooncake"):
         rc = TransferRouter(kind_of, memory).route([(p, 0x5000, 8)], rec.send_device, channel)
     assert rc == -1 and rec.frames == []

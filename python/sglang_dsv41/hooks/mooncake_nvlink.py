@@ -88,18 +88,15 @@ def after_registerable_regions(result, self):
     if reason is None:
         return None  # keep upstream's list
     state = _routing_state(self)
-    if state is None:
-        try:
-            memory = _memory_for(self, strict=True)
-        except MemoryAccessError as exc:
-            raise RuntimeError(
-                f"[sglang-dsv41] Mooncake intra-node NVLink transport is active ({reason}) but "
-                f"device and host memory cannot be told apart: {exc}. Registering a host "
-                "region would fail the whole registration."
-            ) from exc
-    else:
-        memory = state.memory
-    plan = plan_registration(list(result), memory.kind_of)
+    try:
+        memory = state.memory if state is not None else _memory_for(self, strict=True)
+        plan = plan_registration(list(result), memory.kind_of)
+    except MemoryAccessError as exc:
+        raise RuntimeError(
+            f"[sglang-dsv41] Mooncake intra-node NVLink transport is active ({reason}) but "
+            f"device and host memory cannot be told apart: {exc}. Registering a host "
+            "region would fail the whole registration."
+        ) from exc
     kinds = KindTable(plan.classified, memory.kind_of)
     self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds, memory))
     (logger.info if state is None else logger.debug)(
@@ -116,8 +113,6 @@ def _side_channel(manager, session_id: str) -> SideChannel:
     The status of the same transfer goes to this endpoint through the same
     cached push socket, which is what orders host blocks before it.
     """
-    from sglang.srt.utils.network import NetworkAddress
-
     rooms = None
     for _ in range(3):  # the bootstrap thread may resize the dict meanwhile
         try:
@@ -132,6 +127,8 @@ def _side_channel(manager, session_id: str) -> SideChannel:
             match = (room, info)  # later rooms are newer: keep the last
     if match is None:
         raise NoSideChannel(f"no transfer info holds mooncake session {session_id}")
+    from sglang.srt.utils.network import NetworkAddress
+
     room, info = match
     address = NetworkAddress(info.endpoint, info.dst_port)
     endpoint = address.to_tcp()
