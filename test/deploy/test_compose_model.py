@@ -231,3 +231,43 @@ def test_service_kinds_and_their_flags():
 def test_known_crashes(features, fragment):
     verdict = known_crash(CrashFeatures(**features))
     assert (verdict is None) if fragment is None else (fragment in verdict)
+
+
+def _layout(**fields):
+    from sglang_dsv41.core.topology_checks import ServerLayout
+
+    base = dict(tp_size=1, pp_size=1, nnodes=1, ep_size=1, dp_size=1, attn_tp_size=1, attn_dp_size=1,
+                attn_cp_size=1, base_gpu_id=0, gpu_id_step=1, port=30000, disaggregation_mode="null",
+                bootstrap_port=None, transfer_backend=None, dspark=False, speculative_num_draft_tokens=None,
+                decoder_swa_bounded_replay=False, enable_prefill_cp=False, cp_strategy=None,
+                hierarchical_cache=False, hicache_storage_backend=None, vision=True,
+                kv_cache_dtype="fp8_e4m3", page_size=256, model_type="deepseek_v41")
+    return ServerLayout(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, indices", [
+    (dict(tp_size=4), [0, 1, 2, 3]),
+    (dict(tp_size=8, dp_size=1, attn_dp_size=8), list(range(8))),  # DP attention: one TP group
+    (dict(tp_size=2, dp_size=2), [0, 1, 2, 3]),  # DP replicas: a TP block each
+    (dict(tp_size=2, base_gpu_id=2), [2, 3]),
+    (dict(tp_size=2, gpu_id_step=2), [0, 2]),
+    (dict(tp_size=2, pp_size=2), [0, 1, 2, 3]),
+    (dict(tp_size=8, nnodes=2), [0, 1, 2, 3]),  # per node
+])
+def test_gpu_indices_follow_sglangs_assignment(fields, indices):
+    assert _layout(**fields).gpu_indices == indices
+
+
+def test_used_gpus_maps_indices_to_host_gpus():
+    from sglang_dsv41.core.compose_model import GpuReservation
+    from sglang_dsv41.core.topology_checks import PlannedServer, used_gpus
+
+    class _Svc:
+        def __init__(self, visible):
+            self.gpu_reservation = GpuReservation(True, visible, "test")
+
+    assert used_gpus(PlannedServer(_Svc(("4", "5", "6", "7")), _layout(tp_size=2, dp_size=2))) == (("4", "5", "6", "7"), None)
+    gpus, why = used_gpus(PlannedServer(_Svc(("4", "5")), _layout(tp_size=2, dp_size=2)))
+    assert gpus is None and "needs 4 GPUs (TP 2 x PP 1 x DP replicas 2)" in why
+    gpus, why = used_gpus(PlannedServer(_Svc(("0", "1", "2")), _layout(tp_size=2)))
+    assert gpus is None and "the rest would sit idle" in why

@@ -63,8 +63,25 @@ class ServerLayout:
     mooncake_master: str | None = None
 
     @property
+    def gpu_indices(self) -> list[int]:
+        """Which of the container's GPUs (CUDA numbering) the ranks on one node use,
+        as sglang assigns them: DP replicas (DP without DP attention) each take a
+        TP x PP block; inside a block, PP stages and TP ranks per node."""
+        nnodes = max(self.nnodes, 1)
+        pp_per_node = max(self.pp_size // nnodes, 1)  # the split sglang's launcher makes
+        tp_per_node = self.tp_size // max(nnodes // self.pp_size, 1)
+        replicas = self.dp_size if self.attn_dp_size == 1 else 1
+        indices = []
+        for replica in range(replicas):
+            block = self.base_gpu_id + replica * self.tp_size * self.pp_size * self.gpu_id_step
+            for pp_rank in range(pp_per_node):
+                for tp_rank in range(tp_per_node):
+                    indices.append(block + pp_rank * tp_per_node + tp_rank * self.gpu_id_step)
+        return indices
+
+    @property
     def gpus_needed(self) -> int:
-        return self.tp_size * self.pp_size // max(self.nnodes, 1)
+        return len(self.gpu_indices)
 
     @property
     def uses_mooncake_store(self) -> bool:
@@ -234,14 +251,15 @@ def used_gpus(server: PlannedServer) -> tuple[tuple[str, ...] | None, str | None
         return None, (f"its GPU set is not fixed ({reservation.how}); name the GPUs with "
                       "CUDA_VISIBLE_DEVICES or device_ids so overlaps can be checked")
     visible = reservation.visible
-    picks = [lay.base_gpu_id + rank * lay.gpu_id_step for rank in range(lay.gpus_needed)]
-    if picks and picks[-1] >= len(visible):
-        return None, (f"needs {lay.gpus_needed} GPUs (TP {lay.tp_size} x PP {lay.pp_size}"
-                      f"{f' / {lay.nnodes} nodes' if lay.nnodes > 1 else ''}) but sees "
+    picks = lay.gpu_indices
+    replicas = f" x DP replicas {lay.dp_size}" if lay.dp_size > 1 and lay.attn_dp_size == 1 else ""
+    shape = f"TP {lay.tp_size} x PP {lay.pp_size}{replicas}{f' / {lay.nnodes} nodes' if lay.nnodes > 1 else ''}"
+    if picks and max(picks) >= len(visible):
+        return None, (f"needs {len(picks)} GPUs ({shape}) but sees "
                       f"{len(visible)}: {','.join(visible) or 'none'}")
-    if len(visible) != len(picks):
+    if len(visible) != len(set(picks)):
         return None, (f"sees GPUs {','.join(visible)} but its layout uses {len(picks)} of them "
-                      f"(TP {lay.tp_size} x PP {lay.pp_size}); the rest would sit idle")
+                      f"({shape}); the rest would sit idle")
     return tuple(visible[p] for p in picks), None
 
 
