@@ -107,6 +107,8 @@ class PDSide:
     published; tools fill them in and they are checked for consistency only.
     ``kv_pool`` is "mla", "hybrid_mla" or any other string; a prefill does not
     publish it, so at runtime the prefill side has ``None``.
+    ``spec_layout`` accepts the published layout dict (or any hashable stand-in) and
+    is stored frozen, so sides can be hashed and compared.
     ``all_cp_ranks_transfer``: whether every prefill CP rank sends its KV slice
     (prefill) or the decode pulls from every prefill CP rank (decode); sglang does
     not publish it, so it is compared only when both sides state it.
