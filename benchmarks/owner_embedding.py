@@ -21,10 +21,17 @@ Modes
                                          bytes (a stand-in for the broadcast)
                                measured  the protocol's agreements: the real
                                          protocol over R gloo CPU processes with
-                                         one-wide spans and a no-op encoder
+                                         one-wide spans and a no-op encoder (its
+                                         status rounds are gloo all-reduces here;
+                                         production runs them on NCCL)
+                               measured  one status round on this GPU: a one-rank
+                                         NCCL group, host list -> device MAX
+                                         all-reduce -> host list (the device floor
+                                         of a round, without peer latency)
                                derived   owner = max share + copies + agreements;
                                          replicated = all misses
-  --mode nccl --world 2      Two GPUs, NCCL for spans and gloo for agreements,
+  --mode nccl --world 2      Two GPUs, NCCL for spans and status rounds, gloo for
+                             the object gathers that follow a failure,
                              real protocol; skips (exit 0) with fewer GPUs.
 
 Examples
@@ -335,6 +342,28 @@ def time_on(fn, device, repeats):
     return statistics.median(times)
 
 
+def status_round_floor(device, iters):
+    """Median seconds of one status round on a one-rank NCCL group in this
+    process: what a round costs on the device before any peer latency."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            group = TorchDistributedGroup(dist.group.WORLD)
+            status = [0, 1, 12345, -12345]
+            for _ in range(20):
+                group.all_reduce_max(status)
+            times = []
+            for _ in range(max(iters, 50)):
+                start = time.perf_counter()
+                group.all_reduce_max(status)
+                times.append(time.perf_counter() - start)
+        finally:
+            dist.destroy_process_group()
+    return statistics.median(times)
+
+
 def run_single_gpu(args):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -382,6 +411,7 @@ def run_single_gpu(args):
                              payload_mb=payload_bytes / 2**20,
                              largest_share=max(len(s) for s in shares)))
     agreements = measure_agreements(args, plans)
+    floor = status_round_floor(device, args.iters) if device.type == "cuda" else None
     print(f"mode=single-gpu device={device} group size R={world} (derived) images/batch={args.images} "
           f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
           f"hidden={args.hidden} {args.dtype}; median of {args.iters}")
@@ -399,6 +429,9 @@ def run_single_gpu(args):
               f"{replicated * 1e3:>9.2f} {row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
               f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f} "
               f"{owner * 1e3:>9.2f} {ratio:>10.2f}")
+    if floor is not None:
+        print(f"one status round on {device} (one-rank NCCL group, no peer latency): "
+              f"{floor * 1e6:.1f} us median")
 
 
 # ---------------------------------------------------------------- main

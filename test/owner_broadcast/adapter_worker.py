@@ -65,7 +65,7 @@ def main():
         use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
         use_hpu_communicator=False, use_xpu_communicator=False, group_name="owner_adapter_test",
     )
-    counts = {"all_gather_object": 0, "broadcast": 0}
+    counts = {"all_gather_object": 0, "broadcast": 0, "all_reduce_max": 0}
     real_gather, real_broadcast = coordinator.all_gather_object, coordinator.broadcast
 
     def counted_gather(obj):
@@ -78,6 +78,18 @@ def main():
 
     coordinator.all_gather_object = counted_gather
     coordinator.broadcast = counted_broadcast
+
+    # Status rounds: our adapter's MAX all-reduce over the coordinator's
+    # device group (gloo here), counted around the real method.
+    from sglang_dsv41.hooks import owner_broadcast
+
+    real_reduce = owner_broadcast.CoordinatorGroup.all_reduce_max
+
+    def counted_reduce(self, values):
+        counts["all_reduce_max"] += 1
+        return real_reduce(self, values)
+
+    owner_broadcast.CoordinatorGroup.all_reduce_max = counted_reduce
 
     with get_parallel().override(
         tp_size=2, tp_rank=rank, attn_dp_size=1, attn_cp_size=1, attn_tp_size=2,
@@ -108,11 +120,16 @@ def run_all(rank, coordinator, counts):
         embed.weight.zero_()
         rows = shard.org_vocab_end_index - shard.org_vocab_start_index
         embed.weight[:rows] = table[shard.org_vocab_start_index : shard.org_vocab_end_index]
+    # How DeepSeek-V4 builds it under attention DP: one shard, no collective.
+    single_shard = VocabParallelEmbedding(VOCAB, WIDTH, enable_tp=False)
+    with torch.no_grad():
+        single_shard.weight.zero_()
+        single_shard.weight[:VOCAB] = table
 
     class Body(nn.Module):
-        def __init__(self):
+        def __init__(self, text_embedding):
             super().__init__()
-            self.embed_tokens = embed
+            self.embed_tokens = text_embedding
 
         def get_input_embeddings(self):
             return self.embed_tokens
@@ -120,13 +137,13 @@ def run_all(rank, coordinator, counts):
     class VisionModel(DeepseekV4ForCausalLM):
         """The real class; only what input preparation reads is built."""
 
-        def __init__(self, fail_hash=None):
+        def __init__(self, fail_hash=None, text_embedding=embed):
             nn.Module.__init__(self)
             self.config = SimpleNamespace(hidden_size=WIDTH, image_token_id=IMAGE_TOKEN_ID,
                                           vision_downsample_ratio=3)
             self.vision = object()
             self.image_start = nn.Parameter(torch.zeros(WIDTH))
-            self.model = Body()
+            self.model = Body(text_embedding)
             self.encoded = []
             self.fail_hash = fail_hash
 
@@ -170,10 +187,10 @@ def run_all(rank, coordinator, counts):
         return torch.stack(rows)
 
     def run(name, requests, *, mode=ForwardMode.EXTEND, env="1", fail_hash=None,
-            keep_cache=False, lookup_fails_on=None):
+            keep_cache=False, lookup_fails_on=None, text_embedding=embed):
         """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend)."""
         os.environ[owner_broadcast.ENV_SWITCH] = env
-        model = VisionModel(fail_hash=fail_hash)
+        model = VisionModel(fail_hash=fail_hash, text_embedding=text_embedding)
         owner_broadcast.after_model_init(None, model)  # what OWN-GROUP runs after __init__
         if not keep_cache:
             mm_schedule.init_mm_embedding_cache(1 << 26)
@@ -182,8 +199,8 @@ def run_all(rank, coordinator, counts):
             def failing_lookup(_ids):
                 raise RuntimeError("text lookup failed")
 
-            embed.__dict__["_embed_local_shard"] = failing_lookup
-        counts.update(all_gather_object=0, broadcast=0)
+            text_embedding.__dict__["_embed_local_shard"] = failing_lookup
+        counts.update(all_gather_object=0, broadcast=0, all_reduce_max=0)
         input_ids = torch.tensor(
             [t for prompt, _mm, _im, prefix, extend in requests for t in prompt[prefix : prefix + extend]],
             dtype=torch.long,
@@ -212,7 +229,7 @@ def run_all(rank, coordinator, counts):
         except Exception as exc:
             out.update(status="local-error", error=f"{type(exc).__name__}: {exc}")
         finally:
-            embed.__dict__.pop("_embed_local_shard", None)
+            text_embedding.__dict__.pop("_embed_local_shard", None)
         out.update(encoded=sorted(model.encoded), **counts)
         cache = mm_schedule.embedding_cache
         out["cached"] = sorted(cache.mm_cache)
@@ -231,6 +248,9 @@ def run_all(rank, coordinator, counts):
         # The same chunk again: every span is cached on both ranks.
         run("warm", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
             keep_cache=True),
+        # The same again with a one-shard text embedding (attention DP).
+        run("warm-single-shard", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            keep_cache=True, text_embedding=single_shard),
         run("partial", [(a_ids, a_mm, a_images, 5, 11)]),
         # The chunk holds only text of an image prompt: no session engaged.
         run("text-chunk", [(a_ids, a_mm, a_images, 18, 2)]),
@@ -241,19 +261,41 @@ def run_all(rank, coordinator, counts):
         run("encode-fails", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
             fail_hash=303),
         run("lookup-fails", [(b_ids, b_mm, b_images, 0, 19)], lookup_fails_on=0),
+        run("single-shard-lookup-fails", [(b_ids, b_mm, b_images, 0, 19)], lookup_fails_on=1,
+            text_embedding=single_shard),
         run("after-failure", [(b_ids, b_mm, b_images, 0, 19)]),
     ]
     # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
-    # local lookup from _embed_local_shard and then all-reducing it.
+    # local lookup from _embed_local_shard and then all-reducing it, and on a
+    # one-shard embedding making no collective at all.
     ids = torch.tensor([1, 2, 3])
     embed.__dict__["_embed_local_shard"] = lambda _ids: torch.ones(3, WIDTH)
     try:
         forward_uses_local_shard = bool(torch.equal(embed(ids), torch.full((3, WIDTH), 2.0)))
     finally:
         del embed.__dict__["_embed_local_shard"]
+    from sglang.srt.layers import vocab_parallel_embedding as vpe
+
+    reduces = []
+    saved = {name: getattr(vpe, name) for name in ("tensor_model_parallel_all_reduce",
+                                                  "attn_tp_all_reduce")}
+    for name, real in saved.items():
+        setattr(vpe, name, lambda tensor, _real=real, _name=name: (reduces.append(_name),
+                                                                  _real(tensor))[1])
+    try:
+        single_shard(ids)
+        single_shard_reduces = list(reduces)
+        embed(ids)
+        sharded_reduces = reduces[len(single_shard_reduces):]
+    finally:
+        for name, real in saved.items():
+            setattr(vpe, name, real)
     results.append({
         "name": "installed",
         "forward_uses_local_shard": forward_uses_local_shard,
+        "single_shard_tp_size": single_shard.tp_size,
+        "single_shard_reduces": single_shard_reduces,
+        "sharded_reduces": sharded_reduces,
         "rank": rank,
         "init_wrapped": hasattr(DeepseekV4ForCausalLM.__init__, "__wrapped__"),
         "fence_wrapped": hasattr(DeepseekV4ForCausalLM.prepare_language_model_inputs, "__wrapped__"),

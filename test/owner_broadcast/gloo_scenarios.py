@@ -9,8 +9,11 @@ scenario, so finishing the list is itself evidence that nothing hangs.
 
 The input preparation mimics the production call order: fallible work
 before the owner path, ``resolve``, assembly, the text embedding (a
-vocab-parallel lookup plus a real all-reduce over the group), work after
-the features are ready, all inside the session's fence.
+vocab-parallel lookup plus a real all-reduce over the group, or, with
+``text_local``, a replicated lookup without a collective), work after the
+features are ready, all inside the session's fence. Each rank counts the
+protocol's collectives (status rounds, object gathers, span broadcasts),
+both inside ``resolve`` and for the whole preparation.
 """
 
 from __future__ import annotations
@@ -47,10 +50,13 @@ def reference_span(content_hash: int, span_len: int) -> torch.Tensor:
 
 
 class DictCache:
-    def __init__(self):
+    def __init__(self, fail_get=False):
         self.entries = {}
+        self.fail_get = fail_get
 
     def get(self, content_hash):
+        if self.fail_get:
+            raise InjectedFault("injected cache fault")
         return self.entries.get(content_hash)
 
     def set(self, content_hash, span):
@@ -62,23 +68,28 @@ class DictCache:
 
 
 class CountingGroup:
-    """The real group, counting span broadcasts."""
+    """The real group, counting the protocol's collectives."""
 
     def __init__(self, inner):
         self.inner = inner
         self.rank_in_group = inner.rank_in_group
         self.world_size = inner.world_size
         self.ranks = inner.ranks
-        self.broadcasts = 0
+        self.reset()
+
+    def reset(self):
+        self.counts = {"rounds": 0, "gathers": 0, "broadcasts": 0}
 
     def all_gather_object(self, obj):
+        self.counts["gathers"] += 1
         return self.inner.all_gather_object(obj)
 
-    def broadcast_object(self, obj=None, src=0):
-        return self.inner.broadcast_object(obj, src)
+    def all_reduce_max(self, values):
+        self.counts["rounds"] += 1
+        return self.inner.all_reduce_max(values)
 
     def broadcast(self, tensor, src=0):
-        self.broadcasts += 1
+        self.counts["broadcasts"] += 1
         return self.inner.broadcast(tensor, src)
 
 
@@ -95,7 +106,7 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
         if faulty and fault == phase:
             raise InjectedFault(f"injected {phase} fault")
 
-    spans = [tuple(s) for s in scenario["spans"]]  # (hash, span_len)
+    spans = [tuple(s) for s in scenario.get("spans_on", {}).get(str(me), scenario["spans"])]
     cache = DictCache()
     for content_hash, span_len in scenario.get("cached_on", {}).get(str(me), []):
         cache.set(content_hash, reference_span(content_hash, span_len))
@@ -105,6 +116,7 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
             "dtype": torch.zeros(2, WIDTH, dtype=torch.float16),
         }[bad]
     preloaded = set(cache.entries)
+    cache.fail_get = faulty and fault == "cache"
 
     encoded_hashes = []
 
@@ -130,13 +142,15 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     rids = list(scenario["rids"])
     if fault == "rids" and faulty:
         rids = rids + ["stray"]
+    # The same grid written with floats: equal to Python, a different digest.
+    grid_of = (lambda n: (float(n), 1.0)) if scenario.get("float_grid_rank") == me else (lambda n: (n, 1))
     requests = [
         SpanRequest(
             content_hash=h,
             span_len=n,
-            item={"grid": (n, 1)},
+            item={"grid": grid_of(n)},
             duplicates=[
-                {"grid": (n, 2) if (fault == "geometry" and faulty) else (n, 1)}
+                {"grid": (n, 2) if (fault == "geometry" and faulty) else grid_of(n)}
             ],
         )
         for h, n in spans
@@ -160,17 +174,27 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
         maybe_fail("text-embedding")
         return table[ids] * shard[ids].unsqueeze(1).to(DTYPE)
 
+    def replicated_lookup():
+        maybe_fail("text-embedding")
+        return table[ids].clone()
+
     def reduce(partial):
         dist.all_reduce(partial, group=group.inner.tensor_group)
         return partial
 
-    result = {"scenario": scenario["name"], "rank": me, "global_rank": group.ranks[me]}
+    result = {"scenario": scenario["name"], "rank": me, "global_rank": group.ranks[me],
+              "resolve_counts": None}
+    group.reset()
     try:
         with session.fence():
             maybe_fail("prepare")
             features = session.resolve(requests, cache, encode)
+            result["resolve_counts"] = dict(group.counts)
             ordered = torch.cat([features[key] for key in spans])
-            text = session.embed_text(lookup, reduce)
+            if scenario.get("text_local"):
+                text = session.embed_text(replicated_lookup)
+            else:
+                text = session.embed_text(lookup, reduce)
             maybe_fail("finalize")
         digest = hashlib.sha256(ordered.numpy().tobytes() + text.numpy().tobytes()).hexdigest()
         expected = torch.cat([reference_span(h, n) for h, n in spans])
@@ -185,7 +209,8 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     except Exception as exc:  # not agreed: a defect in the protocol
         result.update(status="local-error", error=f"{type(exc).__name__}: {exc}")
     result["encoded"] = encoded_hashes
-    result["broadcasts"] = group.broadcasts
+    result["broadcasts"] = group.counts["broadcasts"]
+    result["counts"] = dict(group.counts)
     new_entries = sorted(set(cache.entries) - preloaded)
     result["new_cache_entries"] = new_entries
     # Every entry left in the cache is a complete, correct span.
@@ -195,7 +220,6 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
         and torch.equal(entry, reference_span(h, dict(spans)[h]))
         for h, entry in cache.entries.items()
     )
-    group.broadcasts = 0
     return result
 
 
@@ -220,7 +244,53 @@ def scenarios(world: int) -> list:
         for rank in range(world):
             out.append(dict(name=f"fault-{phase}-rank{rank}", spans=spans, rids=["g", "h"],
                             fault=phase, fault_rank=rank))
+    out += fast_path_scenarios(world, spans, everyone)
     out.append(dict(name="after-faults", spans=spans, rids=["z"]))
+    return out
+
+
+FAST_FAULTS = ["prepare", "manifest", "cache", "features", "text-embedding", "finalize"]
+
+
+def fast_path_scenarios(world: int, spans: list, everyone: dict) -> list:
+    """Batches every rank holds in its cache (the fast path), and batches one
+    rank away from it."""
+    out = [dict(name="all-cached-local-text", spans=spans, rids=["l"], cached_on=everyone,
+                text_local=True)]
+    for rank in range(world):
+        # Rank `rank` lacks the span it owns (hash `rank`): it encodes it.
+        own = [s for s in spans if s[0] != rank]
+        out.append(dict(name=f"missing-own-rank{rank}", spans=spans, rids=["m"],
+                        cached_on={**everyone, str(rank): own}))
+        # Rank `rank` lacks a span another rank owns: broadcast from that cache.
+        other = (rank + 1) % world
+        rest = [s for s in spans if s[0] != other]
+        out.append(dict(name=f"missing-other-rank{rank}", spans=spans, rids=["m"],
+                        cached_on={**everyone, str(rank): rest}))
+        for phase in FAST_FAULTS:
+            out.append(dict(name=f"cached-fault-{phase}-rank{rank}", spans=spans, rids=["g", "h"],
+                            cached_on=everyone, fault=phase, fault_rank=rank))
+        for phase in ("text-embedding", "finalize"):
+            out.append(dict(name=f"cached-local-fault-{phase}-rank{rank}", spans=spans,
+                            rids=["g", "h"], cached_on=everyone, text_local=True,
+                            fault=phase, fault_rank=rank))
+    last = world - 1
+    longer = [[h, n + 1] if h == 0 else [h, n] for h, n in spans]
+    extra = spans + [[2 * world + 1, 5]]
+    out += [
+        # Ranks handed different batches, every span cached: the fast round
+        # must not let them through.
+        dict(name="cached-span-length-mismatch", spans=spans, spans_on={str(last): longer},
+             rids=["x"], cached_on={**everyone, str(last): longer}),
+        dict(name="cached-extra-span", spans=spans, spans_on={str(last): extra},
+             rids=["x"], cached_on={**everyone, str(last): extra}),
+        dict(name="cached-rid-mismatch", spans=spans, rids=["f"], cached_on=everyone,
+             fault="rids", fault_rank=last),
+        # Equal geometry, different encoding: the digests differ, the
+        # manifests compare equal, so the batch runs through the detail round.
+        dict(name="cached-float-geometry", spans=spans, rids=["y"], cached_on=everyone,
+             float_grid_rank=last),
+    ]
     return out
 
 

@@ -65,6 +65,10 @@ def test_vocab_parallel_forward_reduces_its_local_shard(results):
     # Pins the 0.5.23 behaviour the agreed text embedding splits on.
     for r in both(results, "installed"):
         assert r["forward_uses_local_shard"]
+        assert r["sharded_reduces"] == ["tensor_model_parallel_all_reduce"]
+        # enable_tp=False (DeepSeek-V4 under attention DP): one shard, no
+        # collective, so the features agreement may wait for the fence end.
+        assert r["single_shard_tp_size"] == 1 and r["single_shard_reduces"] == []
 
 
 def test_image_chunk_takes_the_owner_path(results):
@@ -72,8 +76,10 @@ def test_image_chunk_takes_the_owner_path(results):
     for r in (r0, r1):
         assert r["status"] == "ok" and r["embeds_match"], r
         assert r["group"].startswith("CoordinatorGroup(") and "ranks=[0, 1]" in r["group"]
-        # manifest, pre-broadcast agreement, features_ready, fence end
-        assert r["all_gather_object"] == 4
+        # status rounds: manifest, cache flags, pre-broadcast, features_ready,
+        # fence end; no object collective without a failure
+        assert r["all_reduce_max"] == 5 and r["all_gather_object"] == 0
+        assert r["broadcast"] == 2  # one payload per owner
         assert r["cached"] == [101, 202, 303]
         assert r["ids_in_vocab"] and r["image_ids"] == 8 + 4 + 8 + 6
     assert r0["digest"] == r1["digest"]
@@ -89,14 +95,24 @@ def test_stock_path_is_byte_identical_and_encodes_everywhere(results):
         assert r["status"] == "ok" and r["embeds_match"]
         assert r["encoded"] == [101, 202, 303], "stock sglang encodes every image on every rank"
         assert r["all_gather_object"] == 0 and r["broadcast"] == 0
+        assert r["all_reduce_max"] == 0
         assert r["digest"] == owner0["digest"]
 
 
 def test_cached_chunk_skips_encoder_and_broadcast(results):
+    owner0, _ = both(results, "owner")
     for r in both(results, "warm"):
         assert r["status"] == "ok" and r["embeds_match"]
         assert r["encoded"] == [] and r["broadcast"] == 0
-        assert r["all_gather_object"] == 3  # manifest, features_ready, fence end
+        # the fast path: manifest round, features_ready, fence end
+        assert r["all_reduce_max"] == 3 and r["all_gather_object"] == 0
+        assert r["digest"] == owner0["digest"]
+    for r in both(results, "warm-single-shard"):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["encoded"] == [] and r["broadcast"] == 0
+        # no collective in the text embedding: features_ready rides the fence end
+        assert r["all_reduce_max"] == 2 and r["all_gather_object"] == 0
+        assert r["digest"] == owner0["digest"]
 
 
 def test_partial_image_spans_in_a_chunk(results):
@@ -115,6 +131,7 @@ def test_no_image_span_in_the_chunk_keeps_the_stock_path(results):
         for r in both(results, name):
             assert r["status"] == "ok", r
             assert r["all_gather_object"] == 0 and r["broadcast"] == 0, name
+            assert r["all_reduce_max"] == 0, name
             assert r["encoded"] == []
     for r in both(results, "text-chunk"):
         assert r["embeds_match"] and r["image_ids"] == 0
@@ -128,19 +145,26 @@ def test_text_prompt_beside_an_image_prompt(results):
 
 
 @pytest.mark.parametrize(
-    "name, phase, rank, fragment",
+    "name, phase, rank, fragment, rounds",
     [
-        ("encode-fails", "encode", 1, "vision tower failed on 303"),
-        ("lookup-fails", "text-embedding", 0, "text lookup failed"),
+        # manifest, cache flags, pre-broadcast (shows the failure)
+        ("encode-fails", "encode", 1, "vision tower failed on 303", 3),
+        # ... then features_ready shows it
+        ("lookup-fails", "text-embedding", 0, "text lookup failed", 4),
+        # ... no features_ready round: the fence end shows it
+        ("single-shard-lookup-fails", "text-embedding", 1, "text lookup failed", 4),
     ],
 )
-def test_failure_on_one_rank_is_the_same_error_on_both(results, name, phase, rank, fragment):
+def test_failure_on_one_rank_is_the_same_error_on_both(results, name, phase, rank, fragment, rounds):
     r0, r1 = both(results, name)
     assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
     assert r0["error"] == r1["error"]
     text = r0["error"]
     assert f"phase '{phase}' on group rank {rank} (global rank {rank})" in text
     assert f"requests ['{name}-0'" in text and fragment in text
+    for r in (r0, r1):
+        # one object gather, after the status round that showed the failure
+        assert r["all_reduce_max"] == rounds and r["all_gather_object"] == 1, r
     if phase == "encode":
         assert r0["cached"] == r1["cached"] == [], "nothing cached from a failed chunk"
         assert r0["broadcast"] == r1["broadcast"] == 0

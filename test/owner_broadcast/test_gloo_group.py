@@ -19,6 +19,11 @@ WORKER = Path(__file__).with_name("gloo_scenarios.py")
 PROCESS_TIMEOUT_S = 300
 FAILURE_PHASES = ["prepare", "manifest", "plan", "encode", "receive-buffer", "features",
                   "text-embedding", "finalize"]
+FAST_FAULTS = ["prepare", "manifest", "cache", "features", "text-embedding", "finalize"]
+
+
+def counts(rounds=0, gathers=0, broadcasts=0):
+    return {"rounds": rounds, "gathers": gathers, "broadcasts": broadcasts}
 
 
 def run_processes(world: int, tmp_path: Path) -> dict:
@@ -85,8 +90,11 @@ def test_cold_chunk_identical_features_and_one_encode_per_span(group_results):
             assert all(h % world == rank for h in r["encoded"]), "only the owner encodes"
             assert sorted(r["new_cache_entries"]) == sorted(spans_of(world))
             assert r["cache_all_valid"]
-            # One coalesced payload per owner.
+            # One coalesced payload per owner; manifest, cache-flags and
+            # pre-broadcast rounds in resolve, then features-ready and fence end.
             assert r["broadcasts"] == world
+            assert r["resolve_counts"] == counts(rounds=3, broadcasts=world)
+            assert r["counts"] == counts(rounds=5, broadcasts=world)
 
 
 @pytest.mark.timeout(400)
@@ -98,6 +106,44 @@ def test_spans_cached_everywhere_skip_encoder_and_broadcast(group_results):
     for r in ranks.values():
         assert r["encoded"] == [] and r["broadcasts"] == 0
         assert r["features_match_reference"]
+
+
+@pytest.mark.timeout(400)
+def test_full_hits_take_the_fast_path(group_results):
+    """Every span cached everywhere: resolve costs one status round and
+    nothing else; the whole preparation adds the features-ready round (only
+    when the text embedding all-reduces) and the fence end. No object
+    collective at all."""
+    world, results = group_results
+    for name, rounds in (("all-cached", 3), ("all-cached-local-text", 2)):
+        ranks = results[name]
+        assert len(ranks) == world
+        assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+        assert len({r["digest"] for r in ranks.values()}) == 1
+        for r in ranks.values():
+            assert r["features_match_reference"] and r["text_matches_reference"]
+            assert r["encoded"] == [], "a cached span was encoded"
+            assert r["resolve_counts"] == counts(rounds=1), name
+            assert r["counts"] == counts(rounds=rounds), name
+            assert r["new_cache_entries"] == [] and r["cache_all_valid"]
+
+
+@pytest.mark.timeout(400)
+def test_one_rank_missing_a_span_sends_every_rank_down_the_slow_path(group_results):
+    world, results = group_results
+    for rank in range(world):
+        for kind, span, encoder in (("own", rank, rank), ("other", (rank + 1) % world, None)):
+            ranks = results[f"missing-{kind}-rank{rank}"]
+            assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+            assert len({r["digest"] for r in ranks.values()}) == 1
+            for group_rank, r in ranks.items():
+                assert r["features_match_reference"] and r["text_matches_reference"]
+                # manifest, cache flags, pre-broadcast; one payload from the owner
+                assert r["resolve_counts"] == counts(rounds=3, broadcasts=1)
+                assert r["counts"] == counts(rounds=5, broadcasts=1)
+                assert r["encoded"] == ([span] if group_rank == encoder else [])
+                assert r["new_cache_entries"] == ([span] if group_rank == rank else [])
+                assert r["cache_all_valid"]
 
 
 @pytest.mark.timeout(400)
@@ -177,3 +223,67 @@ def test_group_ranks_differ_from_global_ranks_in_smaller_groups(group_results):
     assert globals_ == {4 - world}, "groups of 2 and 3 start above global rank 0"
     text = results["fault-encode-rank1"][0]["error"]
     assert f"group rank 1 (global rank {1 + 4 - world})" in text
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", FAST_FAULTS)
+def test_failure_on_a_fully_cached_batch_is_the_same_error_everywhere(group_results, phase):
+    """Before, at and after the fast round. Failures before it ride the fast
+    round itself; later ones the features-ready or fence-end round, which the
+    fast path keeps for exactly this."""
+    world, results = group_results
+    named = "manifest" if phase == "cache" else phase
+    rounds = {"prepare": 1, "manifest": 1, "cache": 1, "features": 2, "text-embedding": 2,
+              "finalize": 3}[phase]
+    for fault_rank in range(world):
+        ranks = results[f"cached-fault-{phase}-rank{fault_rank}"]
+        assert_agreed(ranks, world, fault_rank=fault_rank, phase=named,
+                      fragments=("['g', 'h']", "injected"))
+        for r in ranks.values():
+            assert r["encoded"] == [] and r["new_cache_entries"] == []
+            # the failure shows in a status round; one gather carries its text
+            assert r["counts"] == counts(rounds=rounds, gathers=1), (phase, r["counts"])
+        if phase not in ("text-embedding", "finalize"):
+            continue
+        # Without a collective in the text embedding, both failures meet the
+        # peers at the fence end, the second round.
+        ranks = results[f"cached-local-fault-{phase}-rank{fault_rank}"]
+        assert_agreed(ranks, world, fault_rank=fault_rank, phase=phase,
+                      fragments=("['g', 'h']", "injected"))
+        for r in ranks.values():
+            assert r["counts"] == counts(rounds=2, gathers=1)
+
+
+@pytest.mark.timeout(400)
+def test_ranks_handed_different_cached_batches_get_an_agreed_error(group_results):
+    """Every rank holds its own batch in cache, but the batches differ: the
+    digest in the fast round catches it, the detail round names it."""
+    world, results = group_results
+    last = world - 1
+    for name in ("cached-span-length-mismatch", "cached-extra-span"):
+        ranks = results[name]
+        text = assert_agreed(ranks, world, fault_rank=0, phase="plan",
+                             fragments=(f"group ranks 0 and {last} disagree", "keys"))
+        assert "['x']" in text
+        for r in ranks.values():
+            assert r["counts"] == counts(rounds=1, gathers=1) and r["encoded"] == []
+    ranks = results["cached-rid-mismatch"]
+    text = assert_agreed(ranks, world, fault_rank=0, phase="plan",
+                         fragments=(f"group ranks 0 and {last} disagree", "stray"))
+    assert "request_ids" in text
+    assert all(r["counts"] == counts(rounds=1, gathers=1) for r in ranks.values())
+
+
+@pytest.mark.timeout(400)
+def test_digests_that_differ_for_equal_manifests_fall_back_and_serve(group_results):
+    """Geometry (3, 1) on some ranks and (3.0, 1.0) on another: equal spans,
+    different digests. The detail round finds no difference and the batch is
+    served from the caches."""
+    world, results = group_results
+    ranks = results["cached-float-geometry"]
+    assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+    assert len({r["digest"] for r in ranks.values()}) == 1
+    for r in ranks.values():
+        assert r["features_match_reference"] and r["encoded"] == []
+        assert r["resolve_counts"] == counts(rounds=1, gathers=1)
+        assert r["counts"] == counts(rounds=3, gathers=1)

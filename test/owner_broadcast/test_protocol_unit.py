@@ -22,7 +22,9 @@ from sglang_dsv41.core.owner_embedding import (
     canonical_geometry,
     chunk_has_owner_spans,
     make_plan,
+    manifest_digest,
     owner_of,
+    plan_spans,
     select_owner_group_kind,
     split_encoder_output,
 )
@@ -51,7 +53,6 @@ def test_plan_actions_and_owners():
         manifest(keys, [True, True, True, False]),  # rank 2
     ]
     plan = make_plan(manifests)
-    assert plan.error is None
     assert plan.owners == [owner_of(h, 3) for h, _ in keys] == [1, 2, 0, 1]
     assert plan.actions == [
         Action.LOCAL_HIT,  # cached everywhere
@@ -99,6 +100,38 @@ def test_plan_rejects_a_different_geometry():
     )
     with pytest.raises(ValueError, match="keys"):
         make_plan([lead, peer])
+
+
+def test_plan_from_cache_flags_matches_the_plan_from_manifests():
+    keys = [(10, 3), (11, 2), (12, 5), (13, 1)]
+    flags = [[True, True, False, False], [True, False, False, True], [True, True, True, False]]
+    assert plan_spans([h for h, _ in keys], flags) == make_plan(
+        [manifest(keys, cached) for cached in flags]
+    )
+
+
+def test_manifest_digest_covers_everything_but_the_cache_flags():
+    base = dict(keys=[(10, 3), (11, 2)], cached=[True, False])
+    digest = manifest_digest(manifest(**base))
+    assert 1 <= digest < 2**62
+    assert manifest_digest(manifest(**base)) == digest, "deterministic"
+    assert manifest_digest(manifest(keys=base["keys"], cached=[False, True])) == digest
+    changed = [
+        manifest(keys=[(10, 3), (11, 3)], cached=[True, False]),  # span length
+        manifest(keys=[(10, 3), (12, 2)], cached=[True, False]),  # content hash
+        manifest(keys=[(11, 2), (10, 3)], cached=[False, True]),  # order
+        manifest(keys=[(10, 3)], cached=[True]),  # one span fewer
+        manifest(**base, rids=("r2",)),
+        manifest(**base, dtype="torch.bfloat16"),
+        manifest(**base, width=WIDTH + 1),
+        Manifest(
+            keys=[SpanManifestKey(content_hash=10, span_len=3, geometry=(4,)),
+                  SpanManifestKey(content_hash=11, span_len=2, geometry=(2,))],
+            cached=[True, False], dtype="torch.float32", width=WIDTH, request_ids=["r1"],
+        ),  # geometry
+    ]
+    digests = {manifest_digest(m) for m in changed}
+    assert digest not in digests and len(digests) == len(changed)
 
 
 def test_owner_is_content_hash_modulo_group_size():
@@ -210,9 +243,9 @@ class OneRankGroup:
         self.calls.append("all_gather_object")
         return [obj]
 
-    def broadcast_object(self, obj=None, src=0):
-        self.calls.append("broadcast_object")
-        return obj
+    def all_reduce_max(self, values):
+        self.calls.append("all_reduce_max")
+        return list(values)
 
     def broadcast(self, tensor, src=0):
         self.calls.append("broadcast")
@@ -349,8 +382,9 @@ def test_no_agreement_after_a_failure_inside_a_collective():
     with pytest.raises(RuntimeError, match="link down") as raised:
         run_preparation(session(group), requests((3, 2)), cache, Encoder())
     assert not isinstance(raised.value, OwnerProtocolError)
-    # manifest exchange, the pre-broadcast agreement, the failed broadcast; nothing after
-    assert group.calls == ["all_gather_object", "broadcast_object", "all_gather_object", "broadcast"]
+    # manifest round, cache-flags round, pre-broadcast round, the failed
+    # broadcast; nothing after
+    assert group.calls == ["all_reduce_max", "all_reduce_max", "all_reduce_max", "broadcast"]
     assert cache.entries == {}, "a span that never arrived must not be cached"
 
 
@@ -359,7 +393,8 @@ def test_fence_without_owner_path_is_an_agreed_error():
     with pytest.raises(OwnerProtocolError, match="no image span reached the owner path"):
         with session(group).fence():
             pass
-    assert group.calls == ["all_gather_object", "broadcast_object"]
+    # the manifest round shows the failure; the detail round carries its text
+    assert group.calls == ["all_reduce_max", "all_gather_object"]
 
 
 def test_features_never_marked_ready_is_an_agreed_error():
@@ -433,5 +468,51 @@ def test_phase_hook_sees_the_phases_in_order():
     with owner.fence():
         owner.resolve(requests((1, 2)), DictCache(), Encoder())
         owner.embed_text(lambda: torch.zeros(1))
-    assert seen == [Phase.MANIFEST, Phase.PLAN, Phase.PLAN, Phase.ENCODE, Phase.FEATURES,
+    assert seen == [Phase.MANIFEST, Phase.PLAN, Phase.ENCODE, Phase.FEATURES,
                     Phase.TEXT_EMBEDDING]
+
+
+def test_full_hit_resolves_with_one_status_round():
+    group = OneRankGroup()
+    cache = DictCache({1: span_for(1, 2), 2: span_for(2, 3)})
+    encoder = Encoder()
+    owner = session(group)
+    with owner.fence():
+        features = owner.resolve(requests((1, 2), (2, 3)), cache, encoder)
+        assert group.calls == ["all_reduce_max"], "the fast path: one round in resolve"
+        owner.features_ready()
+    assert group.calls == ["all_reduce_max"] * 3  # + features_ready + fence end
+    assert encoder.calls == [] and cache.freed == []
+    assert features[(1, 2)] is cache.entries[1] and features[(2, 3)] is cache.entries[2]
+
+
+def test_text_embedding_without_collective_leaves_features_ready_to_the_fence_end():
+    group = OneRankGroup()
+    owner = session(group)
+    with owner.fence():
+        owner.resolve(requests((1, 2)), DictCache({1: span_for(1, 2)}), Encoder())
+        assert owner.embed_text(lambda: torch.ones(2)).tolist() == [1.0, 1.0]
+    assert group.calls == ["all_reduce_max"] * 2  # manifest, fence end
+    # Marking the features ready explicitly still costs its own round.
+    group = OneRankGroup()
+    owner = session(group)
+    with owner.fence():
+        owner.resolve(requests((1, 2)), DictCache({1: span_for(1, 2)}), Encoder())
+        owner.embed_text(lambda: torch.ones(2))
+        owner.features_ready()
+    assert group.calls == ["all_reduce_max"] * 3
+
+
+def test_local_text_lookup_failure_is_agreed_at_the_fence_end():
+    group = OneRankGroup(global_rank=5)
+    owner = session(group)
+
+    def lookup():
+        raise IndexError("id 77")
+
+    with pytest.raises(OwnerProtocolError, match="phase 'text-embedding'.*global rank 5.*id 77"):
+        with owner.fence():
+            owner.resolve(requests((1, 2)), DictCache({1: span_for(1, 2)}), Encoder())
+            owner.embed_text(lookup)
+    # manifest round, then the round the peers' fence end meets, its details
+    assert group.calls == ["all_reduce_max", "all_reduce_max", "all_gather_object"]

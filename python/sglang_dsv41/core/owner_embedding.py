@@ -8,24 +8,63 @@ group size) encodes the span, or takes it from its embedding cache, and
 broadcasts it; the other ranks receive it.
 
 Distributed work is only safe when every rank enters the same collectives, so
-every step is guarded by an agreement:
+every step is guarded by an agreement. Agreements are cheap status rounds: one
+MAX all-reduce of a fixed four-word int64 vector (failed, missing, digest,
+-digest) over the group's tensor path (NCCL in production). Only when a round
+shows a failure does a detail round follow, an object all-gather that carries
+each rank's error text (and, at the manifest, its manifest). Every status round
+has the same shape, so a rank that failed between two rounds meets its peers in
+whatever round they wait in.
 
-1. Each rank publishes a manifest (its span keys with a geometry signature,
-   which of them it holds valid in its cache, dtype, width, request ids, or the
-   error it hit while building it). Group rank 0 turns the manifests into a
-   plan and broadcasts it. A bad manifest anywhere becomes the plan's error.
-2. Before any span broadcast, the ranks agree that every owner encoded and
-   every receiver allocated its buffer.
+1. Manifest round. Each rank builds its manifest (span keys with a geometry
+   signature, which of them it holds valid in its cache, dtype, width, request
+   ids) and a 62-bit digest of everything but the cache flags, then reduces
+   its status. The reduced vector says whether any rank failed, whether any
+   rank lacks a span, and (max digest against min digest) whether all ranks
+   hold the same batch.
+
+   - Nobody failed, same batch, nothing missing: the fast path. Every rank
+     serves every span from its own cache; no further round, encode or
+     broadcast in this step.
+   - Nobody failed, same batch, something missing: a flags round (a MAX
+     all-reduce of an ``[R, spans]`` 0/1 matrix in which each rank fills its
+     own row, which is an all-gather of the cache flags), then every rank
+     computes the plan.
+   - A failure, or different digests: a detail round gathers the reports. A
+     reported error is agreed as it is; otherwise every rank compares the
+     manifests and plans (or agrees on the disagreement) from them.
+
+   Every rank computing the plan is equivalent to group rank 0 making it and
+   broadcasting it: the plan is a deterministic function of the gathered
+   inputs, which a collective hands to every rank identically, so each rank
+   computes exactly what rank 0 would have sent. A disagreement found there is
+   worded as rank 0's (phase ``plan``, group rank 0, its global rank and its
+   request ids), so the text is the same everywhere. What the broadcast also
+   carried was a failure local to rank 0 while planning; now a local failure
+   while planning, on any rank, reaches the others at the next status round,
+   which every rank enters before any span moves.
+2. Before any span broadcast, a status round agrees that every owner encoded
+   and every receiver allocated its buffer.
 3. ``features_ready`` is agreed before the text embedding, which may
-   all-reduce across the group.
+   all-reduce across the group. When the text embedding has no collective
+   (``embed_text`` without ``reduce``), nothing lies between the spans and the
+   fence end that could strand a peer, so that round is left to the fence end.
 4. A fence around the whole input preparation agrees once more at its end,
    so a rank that failed anywhere in between takes the others down with the
    same error instead of leaving them in the model body's collectives.
+
+A full cache hit therefore costs three status rounds (two when the text
+embedding does not communicate) and no object collective; a chunk with misses
+costs five status rounds plus one span broadcast per owner.
 
 Every failure becomes one error text, identical on every rank, naming the
 phase, the group rank, the global rank and the request ids. A failure inside a
 collective leaves the group in an unknown state, so after one no further
 agreement is attempted: the local error is raised as it is.
+
+The digest is 62 bits of BLAKE2b over the manifest's encoding: two ranks
+holding different batches pass as equal with probability 2**-62, and only
+ranks that already disagree, which is a scheduling defect, are exposed to that.
 
 This module depends on torch and msgspec only. The process group and the
 embedding cache are the two small interfaces below; production passes sglang's
@@ -36,6 +75,7 @@ benchmarks pass ``TorchDistributedGroup``.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 from contextlib import contextmanager, nullcontext
 from typing import (
@@ -75,7 +115,10 @@ class OwnerGroup(Protocol):
 
     def all_gather_object(self, obj: Any) -> List[Any]: ...
 
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any: ...
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        """Elementwise maximum over the group of a short list of int64 values,
+        on the group's tensor path (it need not be a CPU collective)."""
+        ...
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
 
@@ -152,7 +195,6 @@ class Report(msgspec.Struct, frozen=True):
 class Plan(msgspec.Struct, frozen=True):
     actions: List[int] = msgspec.field(default_factory=list)
     owners: List[int] = msgspec.field(default_factory=list)
-    error: Optional[str] = None
 
     def transfer_indices(self, owner: int) -> List[int]:
         return [
@@ -170,8 +212,12 @@ class OwnerProtocolError(RuntimeError):
 
 
 _report_codec = msgspec.msgpack.Decoder(Report)
-_plan_codec = msgspec.msgpack.Decoder(Plan)
 _encoder = msgspec.msgpack.Encoder()
+
+# The status vector every agreement reduces with MAX.
+STATUS_WORDS = 4
+_FAILED, _MISSING, _DIGEST, _NEG_DIGEST = range(STATUS_WORDS)
+_DIGEST_MODULUS = (1 << 62) - 1  # digests in [1, 2**62): -digest stays in int64
 
 
 # --------------------------------------------------------------------------
@@ -257,9 +303,38 @@ def canonical_geometry(value: Any) -> Any:
     return repr(value)
 
 
+def manifest_digest(manifest: Manifest) -> int:
+    """62 bits that differ, almost surely, when two ranks' manifests differ in
+    anything but their cache flags."""
+    payload = _encoder.encode(
+        (manifest.request_ids, manifest.keys, manifest.dtype, manifest.width)
+    )
+    value = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+    return value % _DIGEST_MODULUS + 1
+
+
+def plan_spans(content_hashes: Sequence[int], cached_by_rank: Sequence[Sequence[bool]]) -> Plan:
+    """The plan for spans every rank agrees on, from each rank's cache flags
+    (``cached_by_rank[rank][span]``)."""
+    world = len(cached_by_rank)
+    actions: List[int] = []
+    owners: List[int] = []
+    for index, content_hash in enumerate(content_hashes):
+        owner = owner_of(content_hash, world)
+        if all(cached[index] for cached in cached_by_rank):
+            action = Action.LOCAL_HIT
+        elif cached_by_rank[owner][index]:
+            action = Action.OWNER_CACHE_BROADCAST
+        else:
+            action = Action.OWNER_ENCODE_BROADCAST
+        actions.append(int(action))
+        owners.append(owner)
+    return Plan(actions=actions, owners=owners)
+
+
 def make_plan(manifests: Sequence[Manifest]) -> Plan:
-    """Group rank 0's decision. Raises ValueError when the ranks disagree on
-    what the chunk contains."""
+    """The plan from every rank's manifest, as group rank 0 would make it.
+    Raises ValueError when the ranks disagree on what the chunk contains."""
     if not manifests:
         raise ValueError("no manifests")
     lead = manifests[0]
@@ -274,22 +349,12 @@ def make_plan(manifests: Sequence[Manifest]) -> Plan:
                 f"group ranks 0 and {rank} disagree on the image spans of this "
                 "chunk (" + "; ".join(differences) + ")"
             )
+    for rank, manifest in enumerate(manifests):
         if len(manifest.cached) != len(manifest.keys):
             raise ValueError(f"group rank {rank} sent a malformed manifest")
-    world = len(manifests)
-    actions: List[int] = []
-    owners: List[int] = []
-    for index, key in enumerate(lead.keys):
-        owner = owner_of(key.content_hash, world)
-        if all(manifest.cached[index] for manifest in manifests):
-            action = Action.LOCAL_HIT
-        elif manifests[owner].cached[index]:
-            action = Action.OWNER_CACHE_BROADCAST
-        else:
-            action = Action.OWNER_ENCODE_BROADCAST
-        actions.append(int(action))
-        owners.append(owner)
-    return Plan(actions=actions, owners=owners)
+    return plan_spans(
+        [key.content_hash for key in lead.keys], [manifest.cached for manifest in manifests]
+    )
 
 
 def split_encoder_output(
@@ -405,6 +470,9 @@ class OwnerSession:
         self.phase = Phase.PREPARE
         self._state = _State.AWAIT_MANIFEST
         self._collective_failed = False
+        # The text embedding ran without a collective: the fence end also
+        # agrees that the features were ready.
+        self._text_embedded_locally = False
 
     # -- public protocol steps -------------------------------------------
 
@@ -458,11 +526,22 @@ class OwnerSession:
         together with the features. ``reduce`` (a collective, e.g. the TP
         all-reduce of a vocab-parallel embedding) runs only after that
         agreement, and a failure inside it is not agreed.
+
+        Without ``reduce`` the caller promises that no collective follows
+        until the fence ends; the features agreement then rides on the
+        fence-end round instead of costing one of its own.
         """
         if not self.engaged:
             partial = lookup()
             return partial if reduce is None else reduce(partial)
         self._enter(Phase.TEXT_EMBEDDING)
+        if reduce is None and self._state is _State.AWAIT_FEATURES_READY:
+            # A failure here reaches the fence, which agrees it at the round
+            # the peers wait in: the fence end.
+            embedded = lookup()
+            self._text_embedded_locally = True
+            self.phase = Phase.FINALIZE
+            return embedded
         partial, error = None, None
         try:
             partial = lookup()
@@ -504,14 +583,19 @@ class OwnerSession:
         self, requests: List[SpanRequest], cache: EmbeddingCache, encode: SpanEncoder
     ) -> Dict[SpanKey, torch.Tensor]:
         features: Dict[SpanKey, torch.Tensor] = {}
-        manifest, error, cause = None, None, None
+        manifest, digest, error, cause = None, 0, None, None
         try:
             self._enter(Phase.MANIFEST)
             manifest = self._build_manifest(requests, cache, features)
+            digest = manifest_digest(manifest)
         except Exception as exc:
-            error, cause = self._describe(exc), exc
+            manifest, error, cause = None, self._describe(exc), exc
             features.clear()
-        plan = self._exchange_manifest(manifest, error, cause)
+        plan = self._manifest_round(manifest, digest, error, cause)
+        if plan is None:
+            # Fast path: every rank holds every span valid in its own cache.
+            self._enter(Phase.FEATURES)
+            return features
 
         self._enter(Phase.PLAN)
         if len(plan.actions) != len(requests) or len(plan.owners) != len(requests):
@@ -550,6 +634,8 @@ class OwnerSession:
             features[request.key] = span
             cache.set(request.content_hash, span)
         return features
+
+    # -- local work --------------------------------------------------------
 
     def _build_manifest(
         self,
@@ -707,75 +793,141 @@ class OwnerSession:
 
     # -- agreement ---------------------------------------------------------
 
-    def _exchange_manifest(
+    def _status_round(self, status: List[int]) -> List[int]:
+        with self.collective():
+            reduced = [int(v) for v in self.group.all_reduce_max(status)]
+        if len(reduced) != STATUS_WORDS:
+            # Same on every rank: every rank got the same reduced vector.
+            self._state = _State.DONE
+            raise OwnerProtocolError(
+                f"owner-broadcast status round returned {len(reduced)} values, "
+                f"{STATUS_WORDS} expected"
+            )
+        return reduced
+
+    def _manifest_round(
+        self,
+        manifest: Optional[Manifest],
+        digest: int,
+        error: Optional[str],
+        cause: Optional[BaseException] = None,
+    ) -> Optional[Plan]:
+        """The first agreement. Returns None for the fast path (every span
+        cached and valid on every rank), else the plan; raises the agreed
+        error. Every branch depends only on the reduced vector, which is the
+        same on every rank, so all ranks take the same one."""
+        status = [0] * STATUS_WORDS
+        if error is not None or manifest is None:
+            status[_FAILED] = 1
+        else:
+            status[_MISSING] = int(not all(manifest.cached))
+            status[_DIGEST], status[_NEG_DIGEST] = digest, -digest
+        reduced = self._status_round(status)
+        self._state = _State.AWAIT_FEATURES_READY
+        same_batch = reduced[_DIGEST] == -reduced[_NEG_DIGEST]
+        if reduced[_FAILED] == 0 and same_batch:
+            if reduced[_MISSING] == 0:
+                return None
+            return self._flags_round(manifest)
+        return self._plan_from_reports(manifest, error, cause)
+
+    def _flags_round(self, manifest: Manifest) -> Plan:
+        """Every rank's cache flags: each rank fills its own row of a zero
+        ``[world, spans]`` matrix, so the MAX all-reduce is an all-gather."""
+        world, me = self.group.world_size, self.group.rank_in_group
+        spans = len(manifest.keys)
+        flags = [0] * (world * spans)
+        flags[me * spans : (me + 1) * spans] = [int(bool(c)) for c in manifest.cached]
+        with self.collective():
+            gathered = [int(v) for v in self.group.all_reduce_max(flags)]
+        cached_by_rank = [
+            [bool(v) for v in gathered[rank * spans : (rank + 1) * spans]]
+            for rank in range(world)
+        ]
+        return plan_spans([key.content_hash for key in manifest.keys], cached_by_rank)
+
+    def _plan_from_reports(
         self,
         manifest: Optional[Manifest],
         error: Optional[str],
-        cause: Optional[BaseException] = None,
+        cause: Optional[BaseException],
     ) -> Plan:
-        group = self.group
-        report = Report(group_rank=group.rank_in_group, error=error, manifest=manifest)
+        """The detail round of the manifest: the agreed error, or the plan
+        every rank computes from the gathered manifests."""
+        report = Report(group_rank=self.group.rank_in_group, error=error, manifest=manifest)
         with self.collective():
-            gathered = group.all_gather_object(_encoder.encode(report))
-            plan_bytes = None
-            if group.rank_in_group == 0:
-                plan_bytes = _encoder.encode(self._plan_from(gathered))
-            plan_bytes = group.broadcast_object(plan_bytes, src=0)
-        self._state = _State.AWAIT_FEATURES_READY
-        plan = _plan_codec.decode(plan_bytes)
-        if plan.error is not None:
+            gathered = self.group.all_gather_object(_encoder.encode(report))
+        plan, agreed = self._plan_or_error(gathered)
+        if agreed is not None:
             self._state = _State.DONE
-            raise OwnerProtocolError(plan.error) from cause
+            raise OwnerProtocolError(agreed) from cause
         return plan
 
-    def _plan_from(self, gathered: List[bytes]) -> Plan:
-        """Group rank 0 only. Never raises: a failure becomes the plan's error."""
+    def _plan_or_error(self, gathered: List[bytes]) -> Tuple[Optional[Plan], Optional[str]]:
+        """The same on every rank (a function of the gathered bytes only).
+        Never raises: a failure becomes the error, worded as group rank 0's."""
+        lead_request_ids: List[str] = []
         try:
             reports = [_report_codec.decode(raw) for raw in gathered]
+            if reports and reports[0].manifest is not None:
+                lead_request_ids = list(reports[0].manifest.request_ids)
             agreed = _first_error(reports, self.group.world_size)
             if agreed is not None:
-                return Plan(error=agreed)
-            self._enter(Phase.PLAN)
+                return None, agreed
             manifests = []
             for report in reports:
                 if report.manifest is None:
                     raise ValueError(f"group rank {report.group_rank} sent no manifest")
                 manifests.append(report.manifest)
-            return make_plan(manifests)
+            return make_plan(manifests), None
         except Exception as exc:
-            self.phase = Phase.PLAN
-            return Plan(error=self._describe(exc))
+            return None, self._describe(
+                exc, phase=Phase.PLAN, group_rank=0, request_ids=lead_request_ids
+            )
 
     def _agree(self, error: Optional[str], cause: Optional[BaseException] = None) -> None:
-        """One status exchange: returns if no rank reported an error, else
-        raises the first reported error on every rank."""
+        """One status round: returns if no rank failed, else gathers the
+        reports and raises the first reported error on every rank."""
+        status = [0] * STATUS_WORDS
+        status[_FAILED] = int(error is not None)
+        reduced = self._status_round(status)
+        if reduced[_FAILED] == 0:
+            return
         report = Report(group_rank=self.group.rank_in_group, error=error)
         with self.collective():
             gathered = self.group.all_gather_object(_encoder.encode(report))
-        agreed = _first_error([_report_codec.decode(raw) for raw in gathered], self.group.world_size)
-        if agreed is not None:
-            self._state = _State.DONE
-            raise OwnerProtocolError(agreed) from cause
+        self._state = _State.DONE
+        try:
+            agreed = _first_error(
+                [_report_codec.decode(raw) for raw in gathered], self.group.world_size
+            )
+        except Exception as exc:
+            agreed = f"owner-broadcast embedding failed: unreadable status reports ({exc})"
+        if agreed is None:
+            agreed = "owner-broadcast embedding failed: a status round showed a failure no rank reported"
+        raise OwnerProtocolError(agreed) from cause
 
     def _agree_out_of_order(
         self, text: Optional[str], *, cause: Optional[BaseException], step: str
     ) -> None:
         """A step reached in the wrong state. Peers that followed the protocol
-        wait in the exchange this state calls for; take part in it with an
-        error so that every rank stops with the same text."""
+        wait in a status round; take part in it with an error so that every
+        rank stops with the same text."""
         if text is None:
             text = self._describe(
                 RuntimeError(f"{step} reached in protocol state {self._state.value}")
             )
         if self._state is _State.AWAIT_MANIFEST:
-            self._exchange_manifest(None, text, cause)  # raises: the plan carries the error
+            self._manifest_round(None, 0, text, cause)  # raises: a failure is reported
         if self._state is _State.DONE:
             raise RuntimeError(f"owner protocol {step} after the session ended")
         self._agree(text, cause=cause)
         raise AssertionError("unreachable: an agreement on an error always raises")
 
     def _finish(self) -> None:
-        if self._state is _State.AWAIT_FENCE_END:
+        if self._state is _State.AWAIT_FENCE_END or (
+            self._state is _State.AWAIT_FEATURES_READY and self._text_embedded_locally
+        ):
             self._agree(self._device_error())
             self._state = _State.DONE
             return
@@ -799,7 +951,7 @@ class OwnerSession:
             return
         text = self._describe(exc)
         if self._state is _State.AWAIT_MANIFEST:
-            self._exchange_manifest(None, text, exc)
+            self._manifest_round(None, 0, text, exc)  # raises: a failure is reported
         self._agree(text, cause=exc)
 
     # -- text --------------------------------------------------------------
@@ -816,16 +968,26 @@ class OwnerSession:
             return self._describe(exc)
         return None
 
-    def _describe(self, exc: BaseException) -> str:
+    def _describe(
+        self,
+        exc: BaseException,
+        *,
+        phase: Optional[Phase] = None,
+        group_rank: Optional[int] = None,
+        request_ids: Optional[Sequence[str]] = None,
+    ) -> str:
+        """The error text; by default for this rank in its current phase."""
         group = self.group
-        rank = group.rank_in_group
+        rank = group.rank_in_group if group_rank is None else group_rank
         try:
             global_rank = group.ranks[rank]
         except Exception:
             global_rank = "?"
+        phase = self.phase if phase is None else phase
+        request_ids = self.request_ids if request_ids is None else list(request_ids)
         return (
-            f"owner-broadcast embedding failed in phase '{self.phase.value}' on group "
-            f"rank {rank} (global rank {global_rank}) for requests {self.request_ids}: "
+            f"owner-broadcast embedding failed in phase '{phase.value}' on group "
+            f"rank {rank} (global rank {global_rank}) for requests {request_ids}: "
             f"{type(exc).__name__}: {exc}"
         )
 
@@ -847,7 +1009,8 @@ def _first_error(reports: Sequence[Report], world_size: int) -> Optional[str]:
 
 class TorchDistributedGroup:
     """``OwnerGroup`` over torch.distributed: objects travel on ``object_group``
-    (gloo), tensors on ``tensor_group`` (gloo on CPU, NCCL on GPU)."""
+    (gloo), tensors and status rounds on ``tensor_group`` (gloo on CPU, NCCL on
+    GPU)."""
 
     def __init__(self, tensor_group=None, object_group=None):
         import torch.distributed as dist
@@ -858,16 +1021,22 @@ class TorchDistributedGroup:
         self.ranks = list(dist.get_process_group_ranks(self.tensor_group or dist.group.WORLD))
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(dist.get_rank())
+        backend = str(dist.get_backend(self.tensor_group or dist.group.WORLD)).lower()
+        self._status_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         out: List[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, group=self.object_group)
         return out
 
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=self.ranks[src], group=self.object_group)
-        return box[0]
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._status_device)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=self.tensor_group)
+        return tensor.tolist()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._dist.broadcast(tensor, src=self.ranks[src], group=self.tensor_group)

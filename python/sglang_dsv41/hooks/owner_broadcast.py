@@ -23,7 +23,7 @@ import logging
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -51,11 +51,17 @@ _fallback_warned = False
 
 
 class CoordinatorGroup:
-    """``OwnerGroup`` over sglang's ``GroupCoordinator``: objects go over its
-    gloo CPU group, tensors over its device group (pynccl when enabled)."""
+    """``OwnerGroup`` over sglang's ``GroupCoordinator``: objects (only after a
+    failure) go over its gloo CPU group; span broadcasts over its device group
+    (pynccl when enabled); status rounds are a MAX all-reduce of a few int64
+    words on the device group (NCCL on GPUs), next to the broadcasts' own
+    communicator. ``GroupCoordinator.all_reduce`` is not used for them: it
+    only sums, and routes through custom all-reduce kernels sized for
+    activations."""
 
     def __init__(self, coordinator):
         self.coordinator = coordinator
+        self._status_device = None
 
     @property
     def rank_in_group(self) -> int:
@@ -72,8 +78,20 @@ class CoordinatorGroup:
     def all_gather_object(self, obj: Any) -> List[Any]:
         return self.coordinator.all_gather_object(obj)
 
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        return self.coordinator.broadcast_object(obj, src=src)
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        import torch.distributed as dist
+
+        coordinator = self.coordinator
+        if coordinator.world_size == 1:
+            return [int(v) for v in values]
+        if self._status_device is None:
+            backend = str(dist.get_backend(coordinator.device_group)).lower()
+            self._status_device = (
+                torch.device("cpu") if backend == "gloo" else torch.device(coordinator.device)
+            )
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._status_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=coordinator.device_group)
+        return tensor.tolist()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return self.coordinator.broadcast(tensor, src=src)
@@ -292,7 +310,10 @@ class AgreedTextEmbedding:
     The lookup runs first and its failure is agreed together with
     ``features_ready``; then the real module runs with its local lookup
     answered from that result, so sglang's own reduce logic decides whether
-    and over which group to all-reduce.
+    and over which group to all-reduce. A vocab-parallel embedding of one
+    shard (``enable_tp=False``, as DeepSeek-V4 builds it under attention DP)
+    never communicates, so it runs whole and the features agreement is left
+    to the fence end.
     """
 
     def __init__(self, session: OwnerSession, embedding):
@@ -309,6 +330,8 @@ class AgreedTextEmbedding:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         embedding = self._embedding
         if callable(getattr(type(embedding), "_embed_local_shard", None)):
+            if getattr(embedding, "tp_size", None) == 1:  # no collective inside
+                return self._session.embed_text(lambda: embedding(input_ids))
 
             def reduce(partial: torch.Tensor) -> torch.Tensor:
                 embedding.__dict__["_embed_local_shard"] = lambda _ids: partial
