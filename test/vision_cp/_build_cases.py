@@ -1,8 +1,10 @@
 """Build DeepseekV4ForCausalLM through sglang 0.5.23's real constructor for named cases.
 
 Executed in a fresh interpreter (argument resolution and the published runtime
-context are process-wide): ``python _build_cases.py <checkpoint dir>``. Prints one
-``CASE {json}`` line per case.
+context are process-wide): ``python _build_cases.py <checkpoint dir> [plugin]``.
+Prints one ``CASE {json}`` line per case. With ``plugin`` the whole package is
+loaded through sglang's ``load_plugins()`` first (every patch of the table, not
+only VCP-BUILD) and the stock case is skipped.
 
 What is real: `sglang serve` argument resolution (tp 2, prefill CP, interleave),
 the published scheduler context, the CP strategy binding, the constructor, the
@@ -18,6 +20,7 @@ ViT/Aligner, the LM head and logits processor. What stands in, and why:
 import json
 import sys
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,6 +41,11 @@ from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from dsv41_cp_harness import installed  # noqa: E402
 
 checkpoint = sys.argv[1]
+via_plugin = sys.argv[2:] == ["plugin"]
+if via_plugin:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
 with override_platform(is_cuda=True, is_hip=False):
     args = prepare_server_args(["--model-path", checkpoint, "--device", "cuda", "--tp", "2",
                                 "--enable-prefill-cp", "--cp-strategy", "interleave"])
@@ -88,6 +96,7 @@ def build(config=hf_config):
         "image_params": [tuple(getattr(model, n).shape) for n in
                          ("image_start", "image_end", "image_newline") if hasattr(model, n)],
         "lm_head": type(model.lm_head).__name__,
+        "owner_group": type(getattr(model, "mm_owner_group", None)).__name__,
         "body": LanguageBodyStandIn.seen[-1],
     }
 
@@ -137,8 +146,9 @@ def language_model_only():
         hf_config.language_model_only = False
 
 
-case("stock_interleave", build)
-with installed("VCP-BUILD"):
+if not via_plugin:
+    case("stock_interleave", build)
+with nullcontext() if via_plugin else installed("VCP-BUILD"):
     case("interleave", build)
     case("zigzag", lambda: with_strategy("zigzag", build))
     case("npu", lambda: on_npu(build))

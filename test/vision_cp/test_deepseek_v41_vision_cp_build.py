@@ -46,16 +46,50 @@ def _checkpoint(tmp_path: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    checkpoint = _checkpoint(tmp_path_factory.mktemp("ckpt"))
-    code = (f"import sys\nsys.argv = ['x', {str(checkpoint)!r}]\n"
+def _run_cases(checkpoint: Path, *extra: str, then: str = "") -> dict:
+    argv = ["x", str(checkpoint), *extra]
+    code = (f"import sys\nsys.argv = {argv!r}\n"
             + (HERE / "_build_cases.py").read_text().replace(
-                "Path(__file__).resolve().parent", repr(str(HERE))))
+                "Path(__file__).resolve().parent", repr(str(HERE)))
+            + then)
     proc = run_python(code, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = [json.loads(l[5:]) for l in proc.stdout.splitlines() if l.startswith("CASE ")]
     return {c["case"]: c for c in found}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoint):
+    return _run_cases(checkpoint)
+
+
+# After the build cases, the same process runs one image CP step per rank of a CP-2
+# group through the classes as the plugin left them (no installed(): every patch of
+# the table is active, the owner-broadcast ones included).
+_PLUGIN_RUNNER_STEP = """
+import test_deepseek_v41_vision_cp_inputs as steps
+for rank in range(2):
+    run = steps._run_rank(2, rank)
+    (logits,) = run.model.logits_calls
+    (body,) = run.model.model.calls
+    out = {"case": f"runner_rank{rank}", "ok": True, "module_restored": True, "result": {
+        "logits_ids": bool(torch.equal(logits.input_ids, run.model_ids)),
+        "logits_hidden": bool(torch.equal(logits.hidden_states, run.hidden)),
+        "scheduler_ids_kept": bool(torch.equal(run.scheduler_ids, run.scheduler_copy)),
+        "body_ids_normalized": bool((body.input_ids < 1000).all()),
+        "gathers": run.group.gathers}}
+    print("CASE " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_cases(checkpoint):
+    return _run_cases(checkpoint, "plugin", then=_PLUGIN_RUNNER_STEP)
 
 
 def test_every_case_restores_the_model_module(cases):
@@ -113,3 +147,48 @@ def test_without_vision_or_without_cp_the_stock_constructor_runs(cases):
     assert no_cp["ok"], no_cp
     assert no_cp["result"]["vision"] == "ViT"
     assert no_cp["result"]["body"] == {"attn_cp_size": 1, "get_parallel_is_real": True}
+
+
+def test_through_the_whole_plugin(plugin_cases):
+    """Loaded by sglang's load_plugins() with every patch of the table: the same
+    verdicts, and the eager CP runner merges images before the shard."""
+    assert set(plugin_cases) == {"interleave", "zigzag", "npu", "pipeline_parallel",
+                                 "language_model_only", "no_cp", "runner_rank0",
+                                 "runner_rank1"}
+    for case in plugin_cases.values():
+        assert case["module_restored"], case
+    assert plugin_cases["interleave"]["ok"], plugin_cases["interleave"]
+    assert plugin_cases["interleave"]["result"]["vision"] == "ViT"
+    assert plugin_cases["interleave"]["result"]["body"] == {
+        "attn_cp_size": 2, "get_parallel_is_real": True}
+    for name in ("zigzag", "npu"):
+        assert plugin_cases[name]["error_type"] == "VisionCPBuildRefused"
+    assert "pipeline parallel or MoE A2A setting" in plugin_cases["pipeline_parallel"]["error"]
+    assert plugin_cases["language_model_only"]["result"]["vision"] is None
+    for rank in range(2):
+        assert plugin_cases[f"runner_rank{rank}"]["result"] == {
+            "logits_ids": True, "logits_hidden": True, "scheduler_ids_kept": True,
+            "body_ids_normalized": True, "gathers": 2}
+
+
+def test_a_constructor_that_never_builds_the_tower_fails_closed():
+    """If sglang's constructor stopped building the tower where VCP-BUILD expects it,
+    the lifted guard would outlive the constructor: refuse instead."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+    from sglang.srt.models import deepseek_v4
+    from sglang_dsv41.hooks.vision_cp_runtime import around_deepseek_v4_init
+
+    seen = []
+
+    def drifted_constructor(model, config):
+        seen.append(deepseek_v4.get_parallel().attn_cp_size)
+
+    config = SimpleNamespace(model_type="deepseek_v41", vision_n_layers=2)
+    with runtime_context.get_parallel().override(
+            tp_size=2, attn_tp_size=1, attn_dp_size=1, attn_cp_size=2):
+        with pytest.raises(RuntimeError, match="no longer matches the one VCP-BUILD"):
+            around_deepseek_v4_init(drifted_constructor, object(), config)
+    assert seen == [1]
+    assert deepseek_v4.get_parallel is runtime_context.get_parallel
