@@ -135,12 +135,13 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.REPLACE,
         hook="sglang_dsv41.hooks.vision_cp_runtime:execute_extend_cp",
         roles=roles(Role.SCHEDULER),
-        reason="Upstream shards forward_batch.input_ids (image placeholder hashes) and embeds "
-        "them before any image merge. The replacement prepares inputs on the full layout first "
-        "and feeds the normalized ids to the embedding, shard, MoE routing ids and logits, "
-        "without writing the scheduler's ids. REPLACE of the 75-line method: an AROUND could "
-        "only swap forward_batch.input_ids for the whole forward, exposing normalized ids "
-        "where the body and tests expect the scheduler's.",
+        reason="Upstream embeds and shards forward_batch.input_ids (image placeholder hashes) "
+        "before any image merge, so hash ids reach the text embedding, the hash-layer and "
+        "vision MoE routing ids and the logits. The replacement prepares inputs on the full "
+        "layout first (VCP-PREPARE) and feeds the normalized ids to all four, never writing "
+        "the scheduler's ids. REPLACE of the 75-line method: passing embeddings through "
+        "kwargs leaves the routing and logits ids raw, and an AROUND could only swap "
+        "forward_batch.input_ids for the whole forward, mutating state the scheduler owns.",
         source="seed model_executor/runner/eager_runner.py; UPSTREAM-0.5.23 row B5",
         signature="(self, forward_batch: ForwardBatch, kwargs: dict)",
         ast_sha="07f87b7e9b6875da",
