@@ -138,6 +138,14 @@ def with_parallel(fn, **values):
         return fn()
 
 
+def with_moe_a2a(backend, fn):
+    from sglang.srt.layers.moe.utils import MoeA2ABackend
+    from sglang.srt.runtime_context import get_flags
+
+    with get_flags().moe.override(a2a_backend=MoeA2ABackend(backend)):
+        return fn()
+
+
 def language_model_only():
     hf_config.language_model_only = True
     try:
@@ -153,6 +161,8 @@ with nullcontext() if via_plugin else installed("VCP-BUILD"):
     case("zigzag", lambda: with_strategy("zigzag", build))
     case("npu", lambda: on_npu(build))
     case("pipeline_parallel", lambda: with_parallel(build, pp_size=2, pp_group=group(0, 2)))
+    case("megamoe", lambda: with_moe_a2a("megamoe", build))
+    case("deepep", lambda: with_moe_a2a("deepep", build))
     case("language_model_only", language_model_only)
     case("no_cp", lambda: with_parallel(build, attn_cp_size=1, attn_tp_size=2,
                                         attn_cp_rank=0, attn_tp_rank=0,

@@ -4,6 +4,12 @@ sglang 0.5.23's real argument resolution and constructor, in a fresh interpreter
 (see _build_cases.py for exactly what stands in for hardware). Stock 0.5.23 refuses
 vision with CP; with VCP-BUILD, CUDA + interleave builds the vision tower, zigzag
 and NPU are refused with our message, and every other constructor check stays.
+
+Where the seed differs: the seed allowed vision with a MoE all-to-all backend only
+for MegaMoE on a PD decode node. sglang 0.5.23 allows CUDA MegaMoE on any node, and
+we ship its rule unchanged (VCP-BUILD lifts the CP guard only; every other check of
+the constructor is upstream's). Vision + CP + MegaMoE prefill has not been run on a
+GPU here.
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ def plugin_cases(checkpoint):
 
 def test_every_case_restores_the_model_module(cases):
     assert set(cases) == {"stock_interleave", "interleave", "zigzag", "npu",
-                          "pipeline_parallel", "language_model_only", "no_cp"}
+                          "pipeline_parallel", "megamoe", "deepep",
+                          "language_model_only", "no_cp"}
     for case in cases.values():
         assert case["module_restored"], case
 
@@ -138,6 +145,14 @@ def test_pipeline_parallel_is_still_refused_by_upstream(cases):
     assert case["cause"] is not None  # upstream's own error is chained
 
 
+def test_moe_all_to_all_rule_is_upstreams(cases):
+    assert cases["megamoe"]["ok"], cases["megamoe"]
+    assert cases["megamoe"]["result"]["vision"] == "ViT"
+    deepep = cases["deepep"]
+    assert not deepep["ok"] and deepep["error_type"] == "ValueError"
+    assert "MoE A2A requires CUDA MegaMoE" in deepep["error"]
+
+
 def test_without_vision_or_without_cp_the_stock_constructor_runs(cases):
     text = cases["language_model_only"]
     assert text["ok"], text
@@ -153,8 +168,8 @@ def test_through_the_whole_plugin(plugin_cases):
     """Loaded by sglang's load_plugins() with every patch of the table: the same
     verdicts, and the eager CP runner merges images before the shard."""
     assert set(plugin_cases) == {"interleave", "zigzag", "npu", "pipeline_parallel",
-                                 "language_model_only", "no_cp", "runner_rank0",
-                                 "runner_rank1"}
+                                 "megamoe", "deepep", "language_model_only", "no_cp",
+                                 "runner_rank0", "runner_rank1"}
     for case in plugin_cases.values():
         assert case["module_restored"], case
     assert plugin_cases["interleave"]["ok"], plugin_cases["interleave"]

@@ -8,6 +8,14 @@ Stand-ins: the vision encoder (fixed spans) and the transformer body (records it
 inputs). One process plays each CP rank; ``PeerShardsGroup`` supplies the other
 ranks' all-gather shards. The same path under real gloo collectives is in
 test_deepseek_v41_multimodal_cp.py.
+
+Where the seed's tests differ: the seed's runner called ``prepare_model_inputs``
+while its multimodal test drove ``prepare_language_model_inputs`` directly. We ship
+both names: the runner calls ``prepare_model_inputs`` (VCP-PREPARE), which delegates
+to 0.5.23's ``prepare_language_model_inputs``, so wrappers of the latter (the
+owner-broadcast fence) also run under CP. sglang 0.5.23 also reads
+``enable_cp_tp_group_sharing`` in ``prepare_cp_forward``; the CP scope sets it off,
+which is the layout this runner serves.
 """
 
 from __future__ import annotations

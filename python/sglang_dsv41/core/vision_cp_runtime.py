@@ -7,7 +7,9 @@ eager CP runner of this package merges image features on the full extend layout
 before the shard, which makes CP safe for the CUDA interleave strategy. Instead
 of copying the constructor, the adapter lets that single guard read a CP width
 of one; every other read (and every other check of the constructor) sees the
-real values, and the view ends before the vision tower itself is built.
+real values, and the view ends before the vision tower itself is built. The
+rebinding is of module globals, for the duration of one constructor call; model
+construction runs on one thread of the scheduler process.
 
 Plain Python: nothing here imports sglang.
 """
