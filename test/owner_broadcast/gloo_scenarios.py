@@ -255,8 +255,18 @@ FAST_FAULTS = ["prepare", "manifest", "cache", "features", "text-embedding", "fi
 def fast_path_scenarios(world: int, spans: list, everyone: dict) -> list:
     """Batches every rank holds in its cache (the fast path), and batches one
     rank away from it."""
-    out = [dict(name="all-cached-local-text", spans=spans, rids=["l"], cached_on=everyone,
-                text_local=True)]
+    half = spans[::2]
+    many = [[1000 + h, 1 + h % 3] for h in range(70)]  # more spans than the bit mask holds
+    out = [
+        dict(name="all-cached-local-text", spans=spans, rids=["l"], cached_on=everyone,
+             text_local=True),
+        # The same half of the spans cached on every rank: equal flags, no flags round.
+        dict(name="half-cached-everywhere", spans=spans, rids=["p"],
+             cached_on={str(r): half for r in range(world)}),
+        dict(name="many-cached", spans=many, rids=["q"],
+             cached_on={str(r): many for r in range(world)}),
+        dict(name="many-cold", spans=many, rids=["q"]),
+    ]
     for rank in range(world):
         # Rank `rank` lacks the span it owns (hash `rank`): it encodes it.
         own = [s for s in spans if s[0] != rank]

@@ -76,9 +76,10 @@ def test_image_chunk_takes_the_owner_path(results):
     for r in (r0, r1):
         assert r["status"] == "ok" and r["embeds_match"], r
         assert r["group"].startswith("CoordinatorGroup(") and "ranks=[0, 1]" in r["group"]
-        # status rounds: manifest, cache flags, pre-broadcast, features_ready,
-        # fence end; no object collective without a failure
-        assert r["all_reduce_max"] == 5 and r["all_gather_object"] == 0
+        # status rounds: manifest (equal, empty caches give the plan),
+        # pre-broadcast, features_ready, fence end; no object collective
+        # without a failure
+        assert r["all_reduce_max"] == 4 and r["all_gather_object"] == 0
         assert r["broadcast"] == 2  # one payload per owner
         assert r["cached"] == [101, 202, 303]
         assert r["ids_in_vocab"] and r["image_ids"] == 8 + 4 + 8 + 6
@@ -147,12 +148,12 @@ def test_text_prompt_beside_an_image_prompt(results):
 @pytest.mark.parametrize(
     "name, phase, rank, fragment, rounds",
     [
-        # manifest, cache flags, pre-broadcast (shows the failure)
-        ("encode-fails", "encode", 1, "vision tower failed on 303", 3),
+        # manifest, pre-broadcast (shows the failure)
+        ("encode-fails", "encode", 1, "vision tower failed on 303", 2),
         # ... then features_ready shows it
-        ("lookup-fails", "text-embedding", 0, "text lookup failed", 4),
+        ("lookup-fails", "text-embedding", 0, "text lookup failed", 3),
         # ... no features_ready round: the fence end shows it
-        ("single-shard-lookup-fails", "text-embedding", 1, "text lookup failed", 4),
+        ("single-shard-lookup-fails", "text-embedding", 1, "text lookup failed", 3),
     ],
 )
 def test_failure_on_one_rank_is_the_same_error_on_both(results, name, phase, rank, fragment, rounds):

@@ -90,11 +90,12 @@ def test_cold_chunk_identical_features_and_one_encode_per_span(group_results):
             assert all(h % world == rank for h in r["encoded"]), "only the owner encodes"
             assert sorted(r["new_cache_entries"]) == sorted(spans_of(world))
             assert r["cache_all_valid"]
-            # One coalesced payload per owner; manifest, cache-flags and
-            # pre-broadcast rounds in resolve, then features-ready and fence end.
+            # One coalesced payload per owner. Equal (empty) caches: the
+            # manifest round alone gives the plan, then the pre-broadcast
+            # round in resolve; features-ready and fence end after it.
             assert r["broadcasts"] == world
-            assert r["resolve_counts"] == counts(rounds=3, broadcasts=world)
-            assert r["counts"] == counts(rounds=5, broadcasts=world)
+            assert r["resolve_counts"] == counts(rounds=2, broadcasts=world)
+            assert r["counts"] == counts(rounds=4, broadcasts=world)
 
 
 @pytest.mark.timeout(400)
@@ -138,7 +139,8 @@ def test_one_rank_missing_a_span_sends_every_rank_down_the_slow_path(group_resul
             assert len({r["digest"] for r in ranks.values()}) == 1
             for group_rank, r in ranks.items():
                 assert r["features_match_reference"] and r["text_matches_reference"]
-                # manifest, cache flags, pre-broadcast; one payload from the owner
+                # manifest, cache flags (the caches differ), pre-broadcast; one
+                # payload from the owner
                 assert r["resolve_counts"] == counts(rounds=3, broadcasts=1)
                 assert r["counts"] == counts(rounds=5, broadcasts=1)
                 assert r["encoded"] == ([span] if group_rank == encoder else [])
@@ -223,6 +225,41 @@ def test_group_ranks_differ_from_global_ranks_in_smaller_groups(group_results):
     assert globals_ == {4 - world}, "groups of 2 and 3 start above global rank 0"
     text = results["fault-encode-rank1"][0]["error"]
     assert f"group rank 1 (global rank {1 + 4 - world})" in text
+
+
+@pytest.mark.timeout(400)
+def test_equal_caches_plan_from_the_manifest_round(group_results):
+    """Half the spans cached on every rank: no flags round; the owners encode
+    the other half."""
+    world, results = group_results
+    ranks = results["half-cached-everywhere"]
+    assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+    assert len({r["digest"] for r in ranks.values()}) == 1
+    missing = sorted(h for h in spans_of(world) if h % 2 == 1)
+    assert sorted(h for r in ranks.values() for h in r["encoded"]) == missing
+    owners = len({h % world for h in missing})  # one payload per owner
+    for rank, r in ranks.items():
+        assert r["features_match_reference"]
+        assert all(h % world == rank for h in r["encoded"])
+        assert r["resolve_counts"] == counts(rounds=2, broadcasts=owners)
+        assert r["counts"] == counts(rounds=4, broadcasts=owners)
+
+
+@pytest.mark.timeout(400)
+def test_more_spans_than_the_flag_mask_gather_their_flags(group_results):
+    """70 spans: the flags no longer fit the manifest round, so every batch of
+    that size takes the flags round, cached or not."""
+    world, results = group_results
+    for name, broadcasts, encoded in (("many-cached", 0, 0), ("many-cold", world, 70)):
+        ranks = results[name]
+        assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+        assert len({r["digest"] for r in ranks.values()}) == 1
+        assert sum(len(r["encoded"]) for r in ranks.values()) == encoded
+        for r in ranks.values():
+            assert r["features_match_reference"]
+            rounds = 2 if broadcasts == 0 else 3  # manifest, flags (, pre-broadcast)
+            assert r["resolve_counts"] == counts(rounds=rounds, broadcasts=broadcasts), name
+            assert r["counts"] == counts(rounds=rounds + 2, broadcasts=broadcasts), name
 
 
 @pytest.mark.timeout(400)

@@ -382,9 +382,8 @@ def test_no_agreement_after_a_failure_inside_a_collective():
     with pytest.raises(RuntimeError, match="link down") as raised:
         run_preparation(session(group), requests((3, 2)), cache, Encoder())
     assert not isinstance(raised.value, OwnerProtocolError)
-    # manifest round, cache-flags round, pre-broadcast round, the failed
-    # broadcast; nothing after
-    assert group.calls == ["all_reduce_max", "all_reduce_max", "all_reduce_max", "broadcast"]
+    # manifest round, pre-broadcast round, the failed broadcast; nothing after
+    assert group.calls == ["all_reduce_max", "all_reduce_max", "broadcast"]
     assert cache.entries == {}, "a span that never arrived must not be cached"
 
 

@@ -9,8 +9,10 @@ broadcasts it; the other ranks receive it.
 
 Distributed work is only safe when every rank enters the same collectives, so
 every step is guarded by an agreement. Agreements are cheap status rounds: one
-MAX all-reduce of a fixed four-word int64 vector (failed, missing, digest,
--digest) over the group's tensor path (NCCL in production). Only when a round
+MAX all-reduce of a fixed five-word int64 vector (failed, digest, -digest,
+flags, -flags) over the group's tensor path (NCCL in production); the maximum
+of a word and of its negation give its maximum and minimum over the group, so
+equal maximum and minimum mean every rank sent the same value. Only when a round
 shows a failure does a detail round follow, an object all-gather that carries
 each rank's error text (and, at the manifest, its manifest). Every status round
 has the same shape, so a rank that failed between two rounds meets its peers in
@@ -18,18 +20,21 @@ whatever round they wait in.
 
 1. Manifest round. Each rank builds its manifest (span keys with a geometry
    signature, which of them it holds valid in its cache, dtype, width, request
-   ids) and a 62-bit digest of everything but the cache flags, then reduces
-   its status. The reduced vector says whether any rank failed, whether any
-   rank lacks a span, and (max digest against min digest) whether all ranks
-   hold the same batch.
+   ids), a 62-bit digest of everything but the cache flags, and the cache
+   flags as a bit mask (exact, for up to 62 spans), then reduces its status.
+   The reduced vector says whether any rank failed, whether all ranks hold
+   the same batch, and whether all hold the same spans in cache.
 
-   - Nobody failed, same batch, nothing missing: the fast path. Every rank
-     serves every span from its own cache; no further round, encode or
-     broadcast in this step.
-   - Nobody failed, same batch, something missing: a flags round (a MAX
-     all-reduce of an ``[R, spans]`` 0/1 matrix in which each rank fills its
-     own row, which is an all-gather of the cache flags), then every rank
-     computes the plan.
+   - Nobody failed, same batch, same cache flags: the plan follows from this
+     rank's own flags (a span cached here is cached everywhere; one missing
+     here is missing everywhere, so its owner encodes it). When every span
+     is cached, this is the fast path: every rank serves every span from its
+     own cache, with no further round, encode or broadcast in this step.
+     Caches usually agree, since every rank caches each span it receives.
+   - Nobody failed, same batch, different cache flags (or more than 62
+     spans): a flags round (a MAX all-reduce of an ``[R, spans]`` 0/1 matrix
+     in which each rank fills its own row, which is an all-gather of the
+     cache flags), then every rank computes the plan.
    - A failure, or different digests: a detail round gathers the reports. A
      reported error is agreed as it is; otherwise every rank compares the
      manifests and plans (or agrees on the disagreement) from them.
@@ -55,7 +60,8 @@ whatever round they wait in.
 
 A full cache hit therefore costs three status rounds (two when the text
 embedding does not communicate) and no object collective; a chunk with misses
-costs five status rounds plus one span broadcast per owner.
+costs four (five when the ranks' caches differ) plus one span broadcast per
+owner.
 
 Every failure becomes one error text, identical on every rank, naming the
 phase, the group rank, the global rank and the request ids. A failure inside a
@@ -215,9 +221,10 @@ _report_codec = msgspec.msgpack.Decoder(Report)
 _encoder = msgspec.msgpack.Encoder()
 
 # The status vector every agreement reduces with MAX.
-STATUS_WORDS = 4
-_FAILED, _MISSING, _DIGEST, _NEG_DIGEST = range(STATUS_WORDS)
+STATUS_WORDS = 5
+_FAILED, _DIGEST, _NEG_DIGEST, _FLAGS, _NEG_FLAGS = range(STATUS_WORDS)
 _DIGEST_MODULUS = (1 << 62) - 1  # digests in [1, 2**62): -digest stays in int64
+FLAG_BITS = 62  # cache flags carried exactly in the manifest round, as a bit mask
 
 
 # --------------------------------------------------------------------------
@@ -814,22 +821,33 @@ class OwnerSession:
     ) -> Optional[Plan]:
         """The first agreement. Returns None for the fast path (every span
         cached and valid on every rank), else the plan; raises the agreed
-        error. Every branch depends only on the reduced vector, which is the
-        same on every rank, so all ranks take the same one."""
+        error. Every branch depends only on the reduced vector (and, once the
+        digests agree, on the span count, which is then the same everywhere),
+        so all ranks take the same one."""
         status = [0] * STATUS_WORDS
         if error is not None or manifest is None:
             status[_FAILED] = 1
         else:
-            status[_MISSING] = int(not all(manifest.cached))
             status[_DIGEST], status[_NEG_DIGEST] = digest, -digest
+            if len(manifest.cached) <= FLAG_BITS:
+                mask = sum(1 << index for index, cached in enumerate(manifest.cached) if cached)
+                status[_FLAGS], status[_NEG_FLAGS] = mask, -mask
         reduced = self._status_round(status)
         self._state = _State.AWAIT_FEATURES_READY
         same_batch = reduced[_DIGEST] == -reduced[_NEG_DIGEST]
-        if reduced[_FAILED] == 0 and same_batch:
-            if reduced[_MISSING] == 0:
-                return None
+        if reduced[_FAILED] != 0 or not same_batch:
+            return self._plan_from_reports(manifest, error, cause)
+        same_flags = (
+            len(manifest.cached) <= FLAG_BITS and reduced[_FLAGS] == -reduced[_NEG_FLAGS]
+        )
+        if not same_flags:
             return self._flags_round(manifest)
-        return self._plan_from_reports(manifest, error, cause)
+        if all(manifest.cached):
+            return None
+        cached = [bool(c) for c in manifest.cached]
+        return plan_spans(
+            [key.content_hash for key in manifest.keys], [cached] * self.group.world_size
+        )
 
     def _flags_round(self, manifest: Manifest) -> Plan:
         """Every rank's cache flags: each rank fills its own row of a zero
