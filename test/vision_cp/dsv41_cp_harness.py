@@ -300,7 +300,10 @@ def make_v4_model(embed, *, vision: bool, image_token_id: int):
         def __init__(self):
             nn.Module.__init__(self)
             self.config = SimpleNamespace(image_token_id=image_token_id,
-                                          hidden_size=embed.embedding_dim)
+                                          hidden_size=embed.embedding_dim,
+                                          vision_downsample_ratio=2)
+            # sglang reads the image parameters' device and dtype for the spans.
+            self.image_start = nn.Parameter(torch.zeros(embed.embedding_dim))
             # A vision model's marker; the encoder itself is get_image_feature.
             self.vision = object() if vision else None
             self.mm_owner_group = None
@@ -327,12 +330,16 @@ def make_v4_model(embed, *, vision: bool, image_token_id: int):
     return StandInV4Model()
 
 
-def image_item(hash_value: int, offsets):
+def image_item(hash_value: int, offsets, vit_grid=None):
+    """An image item; ``vit_grid`` (ViT rows, cols) is the processor's grid, which
+    must yield the span length at downsample ratio 2 when it is given."""
     from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
 
     item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(1),
                               offsets=[tuple(offsets)])
     item.set_hash(hash_value)
+    if vit_grid is not None:
+        item.n_vit_h, item.n_vit_w = vit_grid
     return item
 
 

@@ -223,3 +223,71 @@ def test_text_only_models_keep_given_embeddings():
     del text_model.vision
     ids, embeds = text_model.prepare_language_model_inputs(batch.input_ids, batch, given)
     assert ids is batch.input_ids and embeds is given
+
+
+# --- with the owner-broadcast embedding (issue 3) over the CP group ------------------------
+
+OWNER_PATCHES = (*RUNTIME_PATCHES, "OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
+
+
+def _owner_scenarios():
+    """Spans long enough for a real ViT grid (downsample 2): (rows, cols) -> tokens
+    4x2 -> 6, 2x8 -> 7, 2x2 -> 4, 2x4 -> 5. One image is repeated in two requests."""
+    return [
+        ("one_image", [(0, 3), (0, 9)], [None, [image_item(0x101, (2, 7), (4, 2))]]),
+        ("span_starts_in_prefix", [(0, 7), (3, 9), (1, 5)],
+         [[], [image_item(0x202, (2, 8), (2, 8))], None]),
+        ("repeated_and_second_image", [(0, 8), (0, 12)],
+         [[image_item(0x303, (1, 4), (2, 2))],
+          [image_item(0x303, (2, 5), (2, 2)), image_item(0x404, (7, 11), (2, 4))]]),
+    ]
+
+
+def _owner_rank_body(world_rank: int, groups: dict):
+    from sglang.srt.runtime_context import get_parallel
+    from sglang_dsv41.hooks.owner_broadcast import choose_owner_group
+
+    report = {}
+    for size in (2, 4):
+        group = gloo_group_for(size, world_rank, groups)
+        rank = group.rank_in_group
+        for name, requests, images in _owner_scenarios():
+            mm_schedule.init_mm_embedding_cache(1 << 20)
+            torch.manual_seed(0)
+            model = make_v4_model(nn.Embedding(VOCAB, HIDDEN), vision=True,
+                                  image_token_id=IMAGE_TOKEN_ID)
+            batch, model_ids, merged = image_step(
+                requests, images, image_token_id=IMAGE_TOKEN_ID, vocab=VOCAB)
+            batch.rids = [f"req{i}" for i in range(len(requests))]
+            full = merged(model.model.embed)
+            hidden, _ = expected_hidden(full, batch.positions)
+            with get_parallel().override(
+                    tp_size=size, attn_tp_size=1, attn_dp_size=1, attn_cp_size=size,
+                    attn_cp_group=group, pp_group=groups["single"]):
+                model.mm_owner_group = choose_owner_group(model)
+            assert model.mm_owner_group is not None and model.mm_owner_group.world_size == size
+
+            assert run_extend_cp(model, batch, size, rank, group) == "logits"
+            (logits,) = model.logits_calls
+            assert torch.equal(logits.input_ids, model_ids)
+            assert torch.equal(logits.hidden_states, hidden), name
+            assert torch.equal(batch.mm_input_embeds, full), name
+            report[(size, name)] = (rank, sorted(model.encoded))
+    return report
+
+
+@pytest.mark.timeout(240)
+def test_owner_broadcast_under_cp_encodes_each_image_once_per_group():
+    """The CP group replicates image work (every rank prepares the full layout), so
+    the owner-broadcast embedding engages over it: each distinct image is encoded by
+    one rank and every rank still merges identical embeddings before the shard."""
+    layouts = {**CP_LAYOUTS, "single": [[0], [1], [2], [3]]}
+    with installed(*OWNER_PATCHES):
+        reports = run_gloo_ranks(4, layouts, _owner_rank_body)
+    for size in (2, 4):
+        for name, _, images in _owner_scenarios():
+            distinct = sorted({item.hash for items in images for item in items or ()})
+            for first in range(0, 4, size):  # each CP group of this size
+                encoded = [h for r in range(first, first + size)
+                           for h in reports[r][(size, name)][1]]
+                assert sorted(encoded) == distinct, (size, name, first)
