@@ -4,7 +4,8 @@ Executed in a fresh interpreter (argument resolution and the published runtime
 context are process-wide): ``python _build_cases.py <checkpoint dir> [plugin]``.
 Prints one ``CASE {json}`` line per case. With ``plugin`` the whole package is
 loaded through sglang's ``load_plugins()`` first (every patch of the table, not
-only VCP-BUILD) and the stock case is skipped.
+only VCP-BUILD); without it only VCP-BUILD is installed. The stock case runs
+sglang's own constructor (the innermost function of the hook chain) either way.
 
 What is real: `sglang serve` argument resolution (tp 2, prefill CP, interleave),
 the published scheduler context, the CP strategy binding, the constructor, the
@@ -154,9 +155,21 @@ def language_model_only():
         hf_config.language_model_only = False
 
 
-if not via_plugin:
-    case("stock_interleave", build)
+def stock(fn):
+    cls = model_module.DeepseekV4ForCausalLM
+    hooked = cls.__dict__["__init__"]
+    own = hooked
+    while hasattr(own, "__wrapped__"):
+        own = own.__wrapped__
+    cls.__init__ = own
+    try:
+        return fn()
+    finally:
+        cls.__init__ = hooked
+
+
 with nullcontext() if via_plugin else installed("VCP-BUILD"):
+    case("stock_interleave", lambda: stock(build))
     case("interleave", build)
     case("zigzag", lambda: with_strategy("zigzag", build))
     case("npu", lambda: on_npu(build))

@@ -69,14 +69,10 @@ def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
-@pytest.fixture(scope="module")
-def cases(checkpoint):
-    return _run_cases(checkpoint)
-
-
-# After the build cases, the same process runs one image CP step per rank of a CP-2
-# group through the classes as the plugin left them (no installed(): every patch of
-# the table is active, the owner-broadcast ones included).
+# The cases run with the whole package loaded by sglang's load_plugins() (every patch
+# of the table, the owner-broadcast ones included). After them the same process runs
+# one image CP step per rank of a CP-2 group through the classes as the plugin left
+# them.
 _PLUGIN_RUNNER_STEP = """
 import test_deepseek_v41_vision_cp_inputs as steps
 for rank in range(2):
@@ -94,14 +90,14 @@ for rank in range(2):
 
 
 @pytest.fixture(scope="module")
-def plugin_cases(checkpoint):
+def cases(checkpoint):
     return _run_cases(checkpoint, "plugin", then=_PLUGIN_RUNNER_STEP)
 
 
 def test_every_case_restores_the_model_module(cases):
     assert set(cases) == {"stock_interleave", "interleave", "zigzag", "npu",
                           "pipeline_parallel", "megamoe", "deepep",
-                          "language_model_only", "no_cp"}
+                          "language_model_only", "no_cp", "runner_rank0", "runner_rank1"}
     for case in cases.values():
         assert case["module_restored"], case
 
@@ -164,24 +160,10 @@ def test_without_vision_or_without_cp_the_stock_constructor_runs(cases):
     assert no_cp["result"]["body"] == {"attn_cp_size": 1, "get_parallel_is_real": True}
 
 
-def test_through_the_whole_plugin(plugin_cases):
-    """Loaded by sglang's load_plugins() with every patch of the table: the same
-    verdicts, and the eager CP runner merges images before the shard."""
-    assert set(plugin_cases) == {"interleave", "zigzag", "npu", "pipeline_parallel",
-                                 "megamoe", "deepep", "language_model_only", "no_cp",
-                                 "runner_rank0", "runner_rank1"}
-    for case in plugin_cases.values():
-        assert case["module_restored"], case
-    assert plugin_cases["interleave"]["ok"], plugin_cases["interleave"]
-    assert plugin_cases["interleave"]["result"]["vision"] == "ViT"
-    assert plugin_cases["interleave"]["result"]["body"] == {
-        "attn_cp_size": 2, "get_parallel_is_real": True}
-    for name in ("zigzag", "npu"):
-        assert plugin_cases[name]["error_type"] == "VisionCPBuildRefused"
-    assert "pipeline parallel or MoE A2A setting" in plugin_cases["pipeline_parallel"]["error"]
-    assert plugin_cases["language_model_only"]["result"]["vision"] is None
+def test_image_cp_step_through_the_plugin(cases):
+    """The eager CP runner as the plugin installed it merges images before the shard."""
     for rank in range(2):
-        assert plugin_cases[f"runner_rank{rank}"]["result"] == {
+        assert cases[f"runner_rank{rank}"]["result"] == {
             "logits_ids": True, "logits_hidden": True, "scheduler_ids_kept": True,
             "body_ids_normalized": True, "gathers": 2}
 
