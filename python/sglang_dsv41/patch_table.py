@@ -106,9 +106,11 @@ PATCHES: tuple[Patch, ...] = (
         reason="Upstream refuses to build the V4.1 vision tower when attention CP > 1. With "
         "vision and CP, the constructor runs with its module-level get_parallel reading one "
         "CP rank until the vision tower class is called (so its PP and MoE A2A checks stay), "
-        "then CUDA + interleave is required (NPU, zigzag refused) and the tower sees the real "
-        "CP. An AROUND instead of a REPLACE of the 99-line constructor; the fingerprint pins "
-        "the statement order it relies on.",
+        "then CUDA + interleave is required (NPU, zigzag refused) and the tower and the "
+        "language body see the real CP. Only the model module's binding is scoped: a "
+        "get_parallel().override(attn_cp_size=1) fails sglang's topology validation. An "
+        "AROUND instead of a REPLACE of the 99-line constructor; the fingerprint pins the "
+        "statement order it relies on, and a constructor that never builds the tower fails.",
         source="seed models/deepseek_v4.py (DeepseekV4ForCausalLM.__init__ vision guard); "
         "UPSTREAM-0.5.23 row B4 option (b)",
         signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
