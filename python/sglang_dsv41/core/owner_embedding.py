@@ -66,7 +66,11 @@ owner.
 Every failure becomes one error text, identical on every rank, naming the
 phase, the group rank, the global rank and the request ids. A failure inside a
 collective leaves the group in an unknown state, so after one no further
-agreement is attempted: the local error is raised as it is.
+agreement is attempted: the local error is raised as it is. That includes a
+rank whose device has failed for good (a sticky CUDA error): it cannot join a
+status round on NCCL, so it raises its own error and its peers wait in that
+round until the NCCL timeout or the server's teardown, where a round on the
+CPU group would have carried its report at gloo's cost per round.
 
 The digest is 62 bits of BLAKE2b over the manifest's encoding: two ranks
 holding different batches pass as equal with probability 2**-62, and only
