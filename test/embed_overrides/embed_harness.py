@@ -11,7 +11,6 @@ grammar, metrics) are plain stand-ins.
 from __future__ import annotations
 
 import contextlib
-import pkgutil
 from array import array
 from types import SimpleNamespace
 
@@ -37,20 +36,17 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookType, _wrap_fn  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel, publish, reset_context  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
-from sglang_dsv41.loader import hook_callable  # noqa: E402
-from sglang_dsv41.patch_spec import HookKind  # noqa: E402
 from sglang_dsv41.patch_table import PATCHES  # noqa: E402
+from sglang_dsv41.testing import patches_installed  # noqa: E402
 
 GROUP = "embed-overrides"
 HIDDEN = 4
 VOCAB = 1000
-_MISSING = object()
 
 
 def group_patches():
@@ -65,27 +61,9 @@ def hooks_installed(ids=None):
     one a server gets; restores the class attributes on exit (HookRegistry
     itself cannot un-patch).
     """
-    chosen = [p for p in group_patches() if ids is None or p.id in ids]
-    saved = []
-    try:
-        for patch in chosen:
-            owner = pkgutil.resolve_name(patch.owner_path)
-            name = patch.attribute
-            saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
-            fn = hook_callable(patch)
-            if patch.kind is HookKind.NEW_ATTRIBUTE:
-                assert name not in owner.__dict__, f"upstream defines {name}"
-                setattr(owner, name, fn)
-            else:
-                original = owner.__dict__[name]
-                setattr(owner, name, _wrap_fn(original, fn, HookType(patch.kind.value)))
+    chosen = [p.id for p in group_patches() if ids is None or p.id in ids]
+    with patches_installed(*chosen):
         yield
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
 
 
 def vec(value: float = 1.0) -> torch.Tensor:

@@ -24,11 +24,10 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVReceiver,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode, filter_kv_indices_for_cp_rank
-from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 from sglang.srt.runtime_context import get_context, get_parallel
 
-from sglang_dsv41.loader import hook_callable
 from sglang_dsv41.patch_table import by_id
+from sglang_dsv41.testing import patches_installed
 
 PATCH_ID = "PDH-PAIRING"
 POOLS = ("mla", "hybrid_mla", "other")
@@ -47,15 +46,10 @@ def free_port() -> int:
 @contextlib.contextmanager
 def plugin_hook_installed():
     """Install the table's PDH-PAIRING hook the way HookRegistry does; restore after."""
-    patch = by_id()[PATCH_ID]
-    assert patch.target.endswith("CommonKVManager.try_ensure_parallel_info")
+    assert by_id()[PATCH_ID].target.endswith("CommonKVManager.try_ensure_parallel_info")
     original = CommonKVManager.__dict__["try_ensure_parallel_info"]
-    wrapped = _wrap_fn(original, hook_callable(patch), HookType(patch.kind.value))
-    CommonKVManager.try_ensure_parallel_info = wrapped
-    try:
+    with patches_installed(PATCH_ID):
         yield original
-    finally:
-        CommonKVManager.try_ensure_parallel_info = original
 
 
 # ---------------------------------------------------------------- bootstrap server

@@ -19,7 +19,6 @@ objects the way sglang's HookRegistry wraps them, and restores the originals.
 from __future__ import annotations
 
 import multiprocessing
-import pkgutil
 import socket
 import traceback
 from contextlib import contextmanager
@@ -29,42 +28,13 @@ from unittest.mock import patch
 
 import torch
 
-_MISSING = object()
+from sglang_dsv41.testing import patches_installed
 
 
 # --- patches ----------------------------------------------------------------------------
 
-@contextmanager
-def installed(*patch_ids: str):
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-
-    from sglang_dsv41.loader import hook_callable
-    from sglang_dsv41.patch_spec import HookKind
-    from sglang_dsv41.patch_table import by_id
-
-    table = by_id()
-    undo = []
-    try:
-        for pid in patch_ids:
-            patch = table[pid]
-            owner = pkgutil.resolve_name(patch.owner_path)
-            name = patch.attribute
-            before = owner.__dict__.get(name, _MISSING)
-            hook = hook_callable(patch)
-            if patch.kind is HookKind.NEW_ATTRIBUTE:
-                assert before is _MISSING, f"{patch.target} exists upstream"
-                setattr(owner, name, hook)
-            else:
-                assert before is not _MISSING, f"{patch.target} missing upstream"
-                setattr(owner, name, _wrap_fn(before, hook, HookType(patch.kind.value)))
-            undo.append((owner, name, before))
-        yield
-    finally:
-        for owner, name, before in reversed(undo):
-            if before is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, before)
+# Install chosen table patches in-process, undone on exit.
+installed = patches_installed
 
 
 RUNTIME_PATCHES = ("VCP-PREPARE", "VCP-RUNNER")
