@@ -249,18 +249,25 @@ def group_worker(rank, world, backend, store, args, queue):
     dist.destroy_process_group()
 
 
-def run_group(args, backend):
+def _spawn_ranks(world, target, worker_args):
+    """Start ``world`` spawned ranks sharing a file store; return what rank 0 puts on the queue."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=group_worker, args=(rank, args.world, backend, store, args, queue))
-                 for rank in range(args.world)]
+        procs = [ctx.Process(target=target, args=worker_args(rank, store, queue))
+                 for rank in range(world)]
         for proc in procs:
             proc.start()
-        rows = queue.get()
+        result = queue.get()
         for proc in procs:
             proc.join()
+    return result
+
+
+def run_group(args, backend):
+    rows = _spawn_ranks(args.world, group_worker, lambda rank, store, queue: (
+        rank, args.world, backend, store, args, queue))
     header = (f"mode={args.mode} world={args.world} images/batch={args.images} "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
               f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
@@ -311,18 +318,8 @@ def agreement_worker(rank, world, store, args, plans, queue):
 
 
 def measure_agreements(args, plans):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=agreement_worker, args=(rank, args.world, store, args, plans, queue))
-                 for rank in range(args.world)]
-        for proc in procs:
-            proc.start()
-        out = queue.get()
-        for proc in procs:
-            proc.join()
-    return out
+    return _spawn_ranks(args.world, agreement_worker, lambda rank, store, queue: (
+        rank, args.world, store, args, plans, queue))
 
 
 def time_on(fn, device, repeats):
