@@ -4,7 +4,16 @@ Stock sglang encodes every image of a chunk on every rank of a TP group. The
 owner protocol (sglang_dsv41.core.owner_embedding) encodes each image once, on
 its owner, and broadcasts it. This script times both for a batch of images
 through a ViT-shaped encoder with random weights, for several image sizes and
-cache-hit rates, and prints time per batch and owner/replicated.
+cache-hit rates, and prints time per batch and ours/replicated.
+
+"ours" is what the plugin does with a batch: the router
+(sglang_dsv41.core.owner_routing) decides from the batch alone, and the
+`route` column says what it chose: `owner` (the protocol), `known` (every
+span recorded in the group's directory: stock lookups), `not-worth` (the
+owner path would not save encoder time: stock encode). Cache hits are
+preloaded into the cache and recorded in the directory, as an earlier chunk
+of the same images would have left them. `--routing always` sends every
+batch through the protocol (the behaviour before routing).
 
 Imports only torch and sglang_dsv41.core (run with PYTHONPATH=python).
 
@@ -59,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, TorchDistributedGroup
+from sglang_dsv41.core.owner_routing import ChunkSpan, OwnerRouter, Route, RoutingPolicy, SpanDirectory
 
 PRESETS = {
     # Sized like DeepSeek-V4.1's vision tower and hidden size.
@@ -188,6 +198,32 @@ def replicated_encode(requests, cache, encoder):
     return features
 
 
+def make_router(args, world, requests, hit_rate, hidden, dtype):
+    """A router whose directory knows the preloaded hits."""
+    policy = RoutingPolicy(mode=args.routing, per_image_cost=args.per_image_cost,
+                           min_saving=args.min_saving)
+    router = OwnerRouter(world, policy, SpanDirectory(1 << 40), hidden * torch.finfo(dtype).bits // 8)
+    router.completed(chunk_spans(requests[: round(hit_rate * len(requests))]))
+    return router
+
+
+def chunk_spans(requests):
+    return [ChunkSpan(r.content_hash, r.span_len, (r.item.grid_h, r.item.grid_w)) for r in requests]
+
+
+def routed_encode(router, group, requests, cache, encoder, hidden, dtype, device):
+    """What the plugin does: route from the batch alone, then the protocol or
+    stock's replicated path; record the spans. Returns the route."""
+    spans = chunk_spans(requests)
+    route = router.route(spans)
+    if route is Route.OWNER:
+        owner_encode(group, requests, cache, encoder, hidden, dtype, device)
+    else:
+        replicated_encode(requests, cache, encoder)
+    router.completed(spans)
+    return route
+
+
 def owner_encode(group, requests, cache, encoder, hidden, dtype, device):
     session = OwnerSession(group, device=device, dtype=dtype, width=hidden,
                            request_ids=["bench"], signature=lambda item, n: (item.grid_h, item.grid_w))
@@ -224,25 +260,28 @@ def group_worker(rank, world, backend, store, args, queue):
     for grid in parse_sizes(args.sizes):
         pixels = torch.randn(grid[0] * grid[1], 3 * PATCH * PATCH, device=device, dtype=dtype)
         for hit_rate in [float(v) for v in args.hit_rates.split(",")]:
-            timings = {"replicated": [], "owner": []}
+            timings = {"replicated": [], "ours": []}
+            routes = set()
             for iteration in range(args.warmup + args.iters):
-                for variant in ("replicated", "owner"):
+                for variant in ("replicated", "ours"):
                     seed += 1
                     requests = batch_requests(seed, args.images, grid, pixels)
                     cache = DictCache()
                     preload(cache, requests, hit_rate, args.hidden, dtype, device)
+                    router = make_router(args, world, requests, hit_rate, args.hidden, dtype)
                     dist.barrier(group=object_group)
                     start = time.perf_counter()
                     if variant == "replicated":
                         replicated_encode(requests, cache, encoder)
                     else:
-                        owner_encode(group, requests, cache, encoder, args.hidden, dtype, device)
+                        routes.add(routed_encode(router, group, requests, cache, encoder,
+                                                 args.hidden, dtype, device).value)
                     synchronize(device)
                     elapsed = slowest(time.perf_counter() - start)
                     if iteration >= args.warmup:
                         timings[variant].append(elapsed)
-            rows.append((grid, hit_rate, ViTLike.span_len(*grid),
-                         statistics.median(timings["replicated"]), statistics.median(timings["owner"])))
+            rows.append((grid, hit_rate, ViTLike.span_len(*grid), "/".join(sorted(routes)),
+                         statistics.median(timings["replicated"]), statistics.median(timings["ours"])))
     if rank == 0:
         queue.put(rows)
     dist.barrier(group=object_group)
@@ -272,12 +311,19 @@ def run_group(args, backend):
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
               f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
               f"hidden={args.hidden} {args.dtype} threads/rank={args.threads} "
-              f"median of {args.iters} batches; time = slowest rank")
+              f"median of {args.iters} batches; time = slowest rank; {policy_text(args)}")
     print(header)
-    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'replicated ms':>14} {'owner ms':>10} {'owner/repl':>10}")
-    for grid, hit_rate, span_len, replicated, owner in rows:
-        print(f"{grid[0]:>3}x{grid[1]:<3} {span_len:>5} {hit_rate:>5.2f} {replicated * 1e3:>14.2f} "
-              f"{owner * 1e3:>10.2f} {owner / replicated:>10.2f}")
+    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'route':>9} {'replicated ms':>14} {'ours ms':>10} "
+          f"{'ours/repl':>10}")
+    for grid, hit_rate, span_len, route, replicated, ours in rows:
+        print(f"{grid[0]:>3}x{grid[1]:<3} {span_len:>5} {hit_rate:>5.2f} {route:>9} "
+              f"{replicated * 1e3:>14.3f} {ours * 1e3:>10.3f} {ours / replicated:>10.2f}")
+
+
+def policy_text(args):
+    if args.routing == "always":
+        return "routing always (every batch through the protocol)"
+    return f"routing auto (per-image cost {args.per_image_cost}, min saving {args.min_saving})"
 
 
 # ---------------------------------------------------------------- single GPU
@@ -387,6 +433,22 @@ def run_single_gpu(args):
                 preload(caches[-1], requests, hit_rate, args.hidden, dtype, device)
             all_misses = time_on(lambda: replicated_encode(requests, caches.pop(), encoder),
                                  device, args.iters)
+            route = make_router(args, world, requests, hit_rate, args.hidden, dtype).route(
+                chunk_spans(requests))
+            routed_stock = None
+            if route is not Route.OWNER:
+                # No protocol: what runs is measured whole, routing included.
+                states = []
+                for _ in range(args.iters):
+                    states.append((DictCache(), make_router(args, world, requests, hit_rate,
+                                                            args.hidden, dtype)))
+                    preload(states[-1][0], requests, hit_rate, args.hidden, dtype, device)
+
+                def one_batch():
+                    cache, router = states.pop()
+                    routed_encode(router, None, requests, cache, encoder, args.hidden, dtype, device)
+
+                routed_stock = time_on(one_batch, device, args.iters)
             shares = [[r for r in misses if r.content_hash % world == owner] for owner in range(world)]
             share_times = [time_on(lambda s=s: encoder(s), device, args.iters) if s else 0.0
                            for s in shares]
@@ -402,29 +464,36 @@ def run_single_gpu(args):
                 copy_total += time_on(lambda: dst.copy_(src), device, args.iters)
             payload_bytes = sum(r.span_len for r in misses) * args.hidden * torch.finfo(dtype).bits // 8
             key = f"{grid[0]}x{grid[1]}@{hit_rate}"
-            plans[key] = ([r.span_len for r in requests], hits)
+            if route is Route.OWNER:
+                plans[key] = ([r.span_len for r in requests], hits)
             rows.append(dict(key=key, grid=grid, hit_rate=hit_rate, span_len=requests[0].span_len,
+                             route=route.value, routed_stock=routed_stock,
                              all_misses=all_misses, max_share=max(share_times), copies=copy_total,
                              payload_mb=payload_bytes / 2**20,
                              largest_share=max(len(s) for s in shares)))
-    agreements = measure_agreements(args, plans)
+    agreements = measure_agreements(args, plans) if plans else {}
     print(f"mode=single-gpu device={device} group size R={world} (derived) images/batch={args.images} "
           f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
-          f"hidden={args.hidden} {args.dtype}; median of {args.iters}")
-    print("measured: encoder(all misses), encoder(each owner's share), device copy of payload bytes, "
-          f"agreements (real protocol, {world} gloo CPU processes); derived: owner total, ratio")
-    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'repl ms':>9} {'max share ms':>12} {'imgs':>4} "
-          f"{'copy ms':>8} {'MiB':>7} {'agree ms':>9} {'owner ms':>9} {'owner/repl':>10}")
+          f"hidden={args.hidden} {args.dtype}; median of {args.iters}; {policy_text(args)}")
+    print("route owner: measured encoder(all misses), encoder(each owner's share), device copy of "
+          f"payload bytes, agreements (real protocol, {world} gloo CPU processes); derived: ours, "
+          "ratio. Other routes: ours measured whole (routing + stock path), no agreement.")
+    print(f"{'grid':>7} {'span':>5} {'hits':>5} {'route':>9} {'repl ms':>9} {'max share ms':>12} "
+          f"{'imgs':>4} {'copy ms':>8} {'MiB':>7} {'agree ms':>9} {'ours ms':>9} {'ours/repl':>10}")
     for row in rows:
-        agree = agreements[row["key"]]
-        owner = row["max_share"] + row["copies"] + agree
         replicated = row["all_misses"]
-        ratio = owner / replicated
         grid = row["grid"]
+        if row["routed_stock"] is None:
+            agree = agreements[row["key"]]
+            ours = row["max_share"] + row["copies"] + agree
+            detail = (f"{row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
+                      f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f}")
+        else:
+            ours = row["routed_stock"]
+            detail = f"{'-':>12} {'-':>4} {'-':>8} {'-':>7} {'-':>9}"
         print(f"{grid[0]:>3}x{grid[1]:<3} {row['span_len']:>5} {row['hit_rate']:>5.2f} "
-              f"{replicated * 1e3:>9.2f} {row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
-              f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f} "
-              f"{owner * 1e3:>9.2f} {ratio:>10.2f}")
+              f"{row['route']:>9} {replicated * 1e3:>9.3f} {detail} {ours * 1e3:>9.3f} "
+              f"{ours / replicated:>10.2f}")
     if device.type == "cuda":
         try:
             floor = status_round_floor(device, args.iters)
@@ -450,6 +519,11 @@ def main():
     parser.add_argument("--hit-rates", dest="hit_rates", help="e.g. 0,0.5,1")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     parser.add_argument("--device", default="cuda", help="single-gpu mode only (cpu: smoke test)")
+    defaults = RoutingPolicy()
+    parser.add_argument("--routing", choices=["auto", "always"], default="auto")
+    parser.add_argument("--per-image-cost", dest="per_image_cost", type=int,
+                        default=defaults.per_image_cost)
+    parser.add_argument("--min-saving", dest="min_saving", type=int, default=defaults.min_saving)
     args = parser.parse_args()
     if args.backend:
         args.mode = args.backend

@@ -160,7 +160,8 @@ PATCHES: tuple[Patch, ...] = (
         reason="Sets model.mm_owner_group once the model (and its vision tower) exists: the "
         "attention-TP group, or the attention-CP group when attn_cp == tp, when that group "
         "replicates the image work; None otherwise or with SGLANG_DSV41_OWNER_BROADCAST=0. "
-        "Logs the decision once per process.",
+        "Gives it a chunk router (routing policy from the environment; a bad value stops the "
+        "build naming the variable). Logs the decision once per process.",
         source="seed models/deepseek_v4.py (mm_owner_group in __init__), "
         "managers/mm_owner_embedding.py (select_owner_group); UPSTREAM-0.5.23 row C4",
         signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
@@ -173,10 +174,12 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.AROUND,
         hook="sglang_dsv41.hooks.owner_broadcast:around_prepare_language_model_inputs",
         roles=roles(Role.SCHEDULER),
-        reason="Opens an owner session when the batch has images (engaged only when the "
-        "host-side batch metadata shows an image span in this chunk, so every rank decides "
-        "alike without communicating) and runs the whole input preparation inside its fence: "
-        "a failure on any rank becomes the same error on every rank instead of a hang.",
+        reason="Routes each image chunk from what every rank holds alike (batch metadata, "
+        "settings, the group's span directory), so all ranks decide without communicating: "
+        "spans the group already holds and chunks whose encoder work the owners cannot usefully "
+        "share run stock code with no collective; the others open an owner session and run the "
+        "whole input preparation inside its fence, so a failure on any rank becomes the same "
+        "error on every rank instead of a hang.",
         source="seed models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session); "
         "UPSTREAM-0.5.23 rows C4, B6",
         signature="(self, input_ids: torch.Tensor, forward_batch: ForwardBatch, input_embeds: Optional[torch.Tensor]=None)",

@@ -111,6 +111,7 @@ def run_all(rank, coordinator, counts):
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     from sglang_dsv41.core.owner_embedding import OwnerProtocolError
+    from sglang_dsv41.core.owner_routing import ENV_MIN_SAVING
     from sglang_dsv41.hooks import owner_broadcast
 
     embed = VocabParallelEmbedding(VOCAB, WIDTH)
@@ -186,14 +187,28 @@ def run_all(rank, coordinator, counts):
                 rows.append(image_span(owner.hash, end - start + 1)[position - start])
         return torch.stack(rows)
 
-    def run(name, requests, *, mode=ForwardMode.EXTEND, env="1", fail_hash=None,
-            keep_cache=False, lookup_fails_on=None, text_embedding=embed):
-        """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend)."""
+    models = {}
+
+    def run(name, requests, *, mode=ForwardMode.EXTEND, env="always", fail_hash=None,
+            keep_cache=False, lookup_fails_on=None, text_embedding=embed, min_saving=None,
+            model_key=None, drop_cache_on=None):
+        """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend).
+        env "always" sends every image chunk through the protocol; "auto" routes
+        it. ``model_key`` reuses the model (and its router) of an earlier run."""
         os.environ[owner_broadcast.ENV_SWITCH] = env
-        model = VisionModel(fail_hash=fail_hash, text_embedding=text_embedding)
-        owner_broadcast.after_model_init(None, model)  # what OWN-GROUP runs after __init__
+        os.environ.pop(ENV_MIN_SAVING, None)
+        if min_saving is not None:
+            os.environ[ENV_MIN_SAVING] = str(min_saving)
+        model = models.get(model_key)
+        if model is None:
+            model = VisionModel(fail_hash=fail_hash, text_embedding=text_embedding)
+            owner_broadcast.after_model_init(None, model)  # what OWN-GROUP runs after __init__
+            if model_key is not None:
+                models[model_key] = model
         if not keep_cache:
             mm_schedule.init_mm_embedding_cache(1 << 26)
+        if drop_cache_on == rank:
+            mm_schedule.embedding_cache.clear()
         if lookup_fails_on == rank:
 
             def failing_lookup(_ids):
@@ -231,6 +246,12 @@ def run_all(rank, coordinator, counts):
         finally:
             text_embedding.__dict__.pop("_embed_local_shard", None)
         out.update(encoded=sorted(model.encoded), **counts)
+        model.encoded.clear()
+        router = model.mm_owner_router
+        if router is not None:
+            out["routes"] = {route.value: n for route, n in router.routes.items() if n}
+            out["directory"] = router.directory.digest()
+            out["directory_spans"] = len(router.directory)
         cache = mm_schedule.embedding_cache
         out["cached"] = sorted(cache.mm_cache)
         return out
@@ -241,6 +262,8 @@ def run_all(rank, coordinator, counts):
     a_ids, a_mm = request(20, a_images)
     b_ids, b_mm = request(19, b_images)
     text_ids, _ = request(6, [])
+    c_images = [image(404, 2, (6, 6))]  # 8 tokens
+    c_ids, c_mm = request(12, c_images)
 
     results = [
         run("owner", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)]),
@@ -264,6 +287,19 @@ def run_all(rank, coordinator, counts):
         run("single-shard-lookup-fails", [(b_ids, b_mm, b_images, 0, 19)], lookup_fails_on=1,
             text_embedding=single_shard),
         run("after-failure", [(b_ids, b_mm, b_images, 0, 19)]),
+        # Routing (env auto). A threshold of one patch: the first chunk takes
+        # the protocol and the group records its spans.
+        run("auto-cold", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            env="auto", min_saving=1, model_key="auto"),
+        # The same chunk again: every span known, local lookups only.
+        run("auto-known", [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            env="auto", keep_cache=True, model_key="auto"),
+        # Known to the group, but rank 1 lost its cache: it encodes locally.
+        run("auto-known-cache-lost-on-1",
+            [(a_ids, a_mm, a_images, 0, 20), (b_ids, b_mm, b_images, 0, 19)],
+            env="auto", keep_cache=True, model_key="auto", drop_cache_on=1),
+        # One image with the default costs: the owner path cannot be faster.
+        run("auto-one-image", [(c_ids, c_mm, c_images, 0, 12)], env="auto", model_key="auto-default"),
     ]
     # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
     # local lookup from _embed_local_shard and then all-reducing it, and on a

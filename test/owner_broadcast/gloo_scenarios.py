@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import sys
+from collections import OrderedDict
 from datetime import timedelta
 
 import torch
@@ -32,6 +34,13 @@ from sglang_dsv41.core.owner_embedding import (
     Phase,
     SpanRequest,
     TorchDistributedGroup,
+)
+from sglang_dsv41.core.owner_routing import (
+    ChunkSpan,
+    OwnerRouter,
+    Route,
+    RoutingPolicy,
+    SpanDirectory,
 )
 
 WIDTH = 16
@@ -304,6 +313,98 @@ def fast_path_scenarios(world: int, spans: list, everyone: dict) -> list:
     return out
 
 
+class LruCache(DictCache):
+    """Bounded by bytes and least-recently-used first, like sglang's
+    MultiModalStaticCache, so a long history evicts."""
+
+    def __init__(self, capacity_bytes):
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.entries = OrderedDict()
+
+    def get(self, content_hash):
+        entry = self.entries.get(content_hash)
+        if entry is not None:
+            self.entries.move_to_end(content_hash)
+        return entry
+
+    def set(self, content_hash, span):
+        if content_hash in self.entries:
+            self.entries.move_to_end(content_hash)
+            return True
+        size = span.numel() * span.element_size()
+        if size > self.capacity_bytes:
+            return False
+        while sum(e.numel() * e.element_size() for e in self.entries.values()) + size > self.capacity_bytes:
+            self.entries.popitem(last=False)
+        self.entries[content_hash] = span.clone()
+        return True
+
+
+def routing_history(group: CountingGroup, chunks: int = 80) -> dict:
+    """A long run of chunks through the router, as the OWN-FENCE hook runs
+    them: the protocol for the owner route, stock's local lookups and
+    encodes otherwise, the directory recorded after each chunk. Halfway
+    through, the last rank loses its whole cache (its peers do not)."""
+    me, world = group.rank_in_group, group.world_size
+    rng = random.Random(11)  # the same chunks on every rank
+    pool = [(content_hash, rng.choice([(2, 2), (3, 6), (8, 8)])) for content_hash in range(30)]
+    span_len_of = lambda grid: 2 + grid[0] * (grid[1] + 1)
+    row_bytes = WIDTH * torch.finfo(DTYPE).bits // 8
+    capacity = 6 * span_len_of((8, 8)) * row_bytes
+    router = OwnerRouter(world, RoutingPolicy(per_image_cost=20, min_saving=30), SpanDirectory(capacity),
+                         row_bytes)
+    cache = LruCache(capacity)
+    table = text_table()
+    ids = torch.tensor([1, 5, 9, 33])
+    lines = []
+    for index in range(chunks):
+        if index == chunks // 2 and me == world - 1:
+            cache.entries.clear()
+        picked = rng.sample(pool[: 8 if index % 3 else 30], rng.randrange(1, 5))
+        spans = [ChunkSpan(h, span_len_of(grid), grid) for h, grid in picked]
+        route = router.route(spans)
+        group.reset()
+        encoded = []
+
+        def encode(requests):
+            encoded.extend(r.content_hash for r in requests)
+            return [reference_span(r.content_hash, r.span_len) for r in requests]
+
+        if route is Route.OWNER:
+            session = OwnerSession(group, device=torch.device("cpu"), dtype=DTYPE, width=WIDTH,
+                                   request_ids=[f"chunk{index}"], signature=lambda item, n: item)
+            requests = [SpanRequest(content_hash=s.content_hash, span_len=s.span_len, item=s.grid)
+                        for s in spans]
+            with session.fence():
+                features = session.resolve(requests, cache, encode)
+                session.embed_text(lambda: table[ids].clone())
+        else:  # stock: local lookups, every miss encoded here
+            features, misses = {}, []
+            for s in spans:
+                hit = cache.get(s.content_hash)
+                if hit is not None and hit.shape[0] == s.span_len:
+                    features[(s.content_hash, s.span_len)] = hit
+                else:
+                    misses.append(SpanRequest(content_hash=s.content_hash, span_len=s.span_len, item=s.grid))
+            for request, span in zip(misses, encode(misses)):
+                cache.set(request.content_hash, span)
+                features[request.key] = span
+        router.completed(spans)
+        ordered = torch.cat([features[(s.content_hash, s.span_len)] for s in spans])
+        expected = torch.cat([reference_span(s.content_hash, s.span_len) for s in spans])
+        lines.append({
+            "route": route.value,
+            "counts": dict(group.counts),
+            "encoded": encoded,
+            "matches_reference": bool(torch.equal(ordered, expected)),
+            "directory": router.directory.digest(),
+        })
+    return {"scenario": "routing-history", "rank": me, "global_rank": group.ranks[me],
+            "status": "ok", "chunks": lines,
+            "directory_bytes": router.directory.bytes, "capacity": capacity}
+
+
 GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}  # size -> global ranks
 
 
@@ -328,6 +429,9 @@ def main():
             result = run_scenario(group, scenario)
             result["world"] = len(members)
             results.append(result)
+        result = routing_history(group)
+        result["world"] = len(members)
+        results.append(result)
     with open(out_path, "w") as handle:
         for result in results:
             handle.write(json.dumps(result) + "\n")

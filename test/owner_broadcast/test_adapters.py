@@ -182,3 +182,58 @@ def test_decision_is_logged_once_per_process(results):
         lines = [l for l in log.splitlines() if "owner-broadcast embedding:" in l]
         assert len(lines) == 1, lines
         assert "on over the attn_tp group (2 ranks)" in lines[0]
+
+
+# ------------------------------------------------ routing (SGLANG_DSV41_OWNER_BROADCAST=auto)
+
+
+def test_auto_routing_takes_the_protocol_when_it_saves_encoder_work(results):
+    owner0, _ = both(results, "owner")
+    r0, r1 = both(results, "auto-cold")
+    for r in (r0, r1):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"owner": 1}
+        assert r["all_reduce_max"] == 4 and r["broadcast"] == 2
+        assert r["digest"] == owner0["digest"]
+    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+    # the group recorded the three spans, identically on both ranks
+    assert r0["directory_spans"] == r1["directory_spans"] == 3
+    assert r0["directory"] == r1["directory"]
+
+
+def test_known_spans_need_no_collective_at_all(results):
+    owner0, _ = both(results, "owner")
+    cold0, _ = both(results, "auto-cold")
+    r0, r1 = both(results, "auto-known")
+    for r in (r0, r1):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"owner": 1, "known": 1}
+        assert r["all_reduce_max"] == 0 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+        assert r["encoded"] == []
+        assert r["digest"] == owner0["digest"]
+    assert r0["directory"] == r1["directory"] == cold0["directory"]  # touched, same order
+
+
+def test_a_rank_that_lost_a_known_span_encodes_it_locally(results):
+    owner0, _ = both(results, "owner")
+    r0, r1 = both(results, "auto-known-cache-lost-on-1")
+    for r in (r0, r1):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"]["known"] == 2
+        # still no collective: the directory, not the local cache, decides
+        assert r["all_reduce_max"] == 0 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+        assert r["digest"] == owner0["digest"]
+    assert r0["encoded"] == [] and r1["encoded"] == [101, 202, 303]
+    assert r0["cached"] == r1["cached"] == [101, 202, 303]
+    assert r0["directory"] == r1["directory"]
+
+
+def test_one_image_runs_stock_on_every_rank(results):
+    for r in both(results, "auto-one-image"):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"not-worth": 1}
+        assert r["encoded"] == [404], "every rank encodes it, as stock sglang does"
+        assert r["all_reduce_max"] == 0 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+    r0, r1 = both(results, "auto-one-image")
+    assert r0["digest"] == r1["digest"] and r0["directory"] == r1["directory"]
+    assert r0["directory_spans"] == 1

@@ -324,3 +324,42 @@ def test_digests_that_differ_for_equal_manifests_fall_back_and_serve(group_resul
         assert r["features_match_reference"] and r["encoded"] == []
         assert r["resolve_counts"] == counts(rounds=1, gathers=1)
         assert r["counts"] == counts(rounds=3, gathers=1)
+
+
+@pytest.mark.timeout(400)
+def test_routing_history_is_the_same_on_every_rank_and_stock_routes_never_communicate(group_results):
+    """Eighty chunks through the router on every rank of the group, with a
+    cache small enough to evict and one rank losing its whole cache halfway:
+    every rank takes the same route for every chunk, ends with the same
+    features (the reference bytes), and holds the same directory; chunks not
+    routed to the protocol make no collective of ours."""
+    world, results = group_results
+    ranks = results["routing-history"]
+    assert len(ranks) == world and {r["status"] for r in ranks.values()} == {"ok"}
+    histories = [ranks[rank]["chunks"] for rank in range(world)]
+    lost = world - 1
+    seen_routes = set()
+    for index, chunk in enumerate(zip(*histories)):
+        assert len({c["route"] for c in chunk}) == 1, f"chunk {index}: routes differ"
+        assert len({c["directory"] for c in chunk}) == 1, f"chunk {index}: directories differ"
+        assert all(c["matches_reference"] for c in chunk), f"chunk {index}"
+        route = chunk[0]["route"]
+        seen_routes.add(route)
+        if route != "owner":
+            assert all(c["counts"] == counts() for c in chunk), (index, chunk)
+        else:
+            encoded = [h for c in chunk for h in c["encoded"]]
+            assert len(encoded) == len(set(encoded)), f"chunk {index}: a span encoded twice"
+        if route == "known" and index < len(histories[0]) // 2:
+            # Before the loss every cache saw the same operations: a known
+            # span the cache's own LRU dropped is re-encoded on every rank
+            # alike, as stock sglang would.
+            assert len({tuple(c["encoded"]) for c in chunk}) == 1, f"chunk {index}"
+    # the history exercises every route, and the rank that lost its cache
+    # re-encoded known spans locally without a collective
+    assert seen_routes == {"owner", "known", "not-worth"}, seen_routes
+    half = len(histories[0]) // 2
+    relearned = [c for c in histories[lost][half:] if c["route"] == "known" and c["encoded"]]
+    assert relearned, "the rank that lost its cache never re-encoded a known span"
+    for rank in range(world):
+        assert ranks[rank]["directory_bytes"] <= ranks[rank]["capacity"]

@@ -12,7 +12,6 @@ import torch
 
 from sglang_dsv41.core.owner_embedding import (
     Action,
-    ItemView,
     Manifest,
     OwnerProtocolError,
     OwnerSession,
@@ -20,7 +19,6 @@ from sglang_dsv41.core.owner_embedding import (
     SpanManifestKey,
     SpanRequest,
     canonical_geometry,
-    chunk_has_owner_spans,
     make_plan,
     manifest_digest,
     owner_of,
@@ -153,37 +151,6 @@ def test_owner_is_content_hash_modulo_group_size():
 )
 def test_owner_group_kind(tp, dp, cp, pp, kind):
     assert select_owner_group_kind(tp_size=tp, attn_dp_size=dp, attn_cp_size=cp, pp_size=pp) == kind
-
-
-# ------------------------------------------------ engagement from host metadata
-
-
-def test_engaged_only_when_a_span_overlaps_the_chunk():
-    image = [ItemView(offsets=[(5, 14)])]
-    # prefix 0, extend 8: tokens 0..7 overlap the span 5..14
-    assert chunk_has_owner_spans([image], [0], [8])
-    # prefix 15: the span lies wholly in the prefix
-    assert not chunk_has_owner_spans([image], [15], [10])
-    # the chunk ends right before the span
-    assert not chunk_has_owner_spans([image], [0], [5])
-    # the last span token is the first chunk token
-    assert chunk_has_owner_spans([image], [14], [3])
-    # nothing extended for this request
-    assert not chunk_has_owner_spans([image], [0], [0])
-    # extend lengths shorter than the request list count as zero
-    assert not chunk_has_owner_spans([[], image], [0, 0], [4])
-    assert chunk_has_owner_spans([[], image], [0, 0], [4, 6])
-
-
-def test_not_engaged_for_precomputed_or_multi_run_items():
-    assert not chunk_has_owner_spans([[ItemView(offsets=[(0, 3)], precomputed=True)]], [0], [9])
-    # one precomputed item anywhere sends the batch down another path
-    assert not chunk_has_owner_spans(
-        [[ItemView(offsets=[(0, 3)])], [ItemView(offsets=[(0, 3)], precomputed=True)]],
-        [0, 0], [9, 9],
-    )
-    assert not chunk_has_owner_spans([[ItemView(offsets=[(0, 3), (6, 8)])]], [0], [9])
-    assert not chunk_has_owner_spans([[]], [0], [9])
 
 
 # ---------------------------------------------------------------- split

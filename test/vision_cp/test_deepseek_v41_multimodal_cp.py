@@ -11,6 +11,8 @@ all-gather. Stand-ins: the vision encoder (fixed spans) and the transformer body
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -245,8 +247,12 @@ def _owner_scenarios():
 
 def _owner_rank_body(world_rank: int, groups: dict):
     from sglang.srt.runtime_context import get_parallel
-    from sglang_dsv41.hooks.owner_broadcast import choose_owner_group
+    from sglang_dsv41.core.owner_routing import ENV_MODE
+    from sglang_dsv41.hooks.owner_broadcast import attach_owner_path
 
+    # The protocol on every image chunk: these chunks are too small for the
+    # default routing to think the owner path worth its rounds.
+    os.environ[ENV_MODE] = "always"
     report = {}
     for size in (2, 4):
         group = gloo_group_for(size, world_rank, groups)
@@ -264,7 +270,7 @@ def _owner_rank_body(world_rank: int, groups: dict):
             with get_parallel().override(
                     tp_size=size, attn_tp_size=1, attn_dp_size=1, attn_cp_size=size,
                     attn_cp_group=group, pp_group=groups["single"]):
-                model.mm_owner_group = choose_owner_group(model)
+                attach_owner_path(model)
             assert model.mm_owner_group is not None and model.mm_owner_group.world_size == size
 
             assert run_extend_cp(model, batch, size, rank, group) == "logits"

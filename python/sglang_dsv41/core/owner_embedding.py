@@ -76,6 +76,11 @@ The digest is 62 bits of BLAKE2b over the manifest's encoding: two ranks
 holding different batches pass as equal with probability 2**-62, and only
 ranks that already disagree, which is a scheduling defect, are exposed to that.
 
+Which chunks reach this protocol at all is decided before it, from metadata
+every rank holds identically (``owner_routing``): chunks whose spans the group
+already holds, or whose encoder work the owners cannot usefully share, run
+stock sglang's replicated encode with no round of this module.
+
 This module depends on torch and msgspec only. The process group and the
 embedding cache are the two small interfaces below; production passes sglang's
 ``GroupCoordinator`` and ``MultiModalStaticCache`` through adapters, tests and
@@ -258,46 +263,6 @@ def select_owner_group_kind(
     if attn_dp_size == 1 and attn_cp_size == tp_size:
         return "attn_cp"
     return None
-
-
-class ItemView(msgspec.Struct, frozen=True):
-    """The host-side facts about one image item that decide whether the
-    per-image scheduling path will see it."""
-
-    offsets: List[Tuple[int, int]]
-    precomputed: bool = False
-
-
-def chunk_has_owner_spans(
-    requests: Sequence[Sequence[ItemView]],
-    extend_prefix_lens: Sequence[int],
-    extend_seq_lens: Sequence[int],
-) -> bool:
-    """Will sglang's per-image path find an image span in this chunk?
-
-    Every rank of the group holds the same batch metadata, so every rank gets
-    the same answer without communicating. Mirrors the scheduling code: items
-    with precomputed embeddings take another path, a request whose items have
-    several runs takes the whole-request path, and a request counts only when
-    one of its spans overlaps the tokens this chunk extends.
-    """
-    if any(item.precomputed for items in requests for item in items):
-        return False
-    for index, items in enumerate(requests):
-        if index >= len(extend_prefix_lens) or not items:
-            continue
-        extend_len = extend_seq_lens[index] if index < len(extend_seq_lens) else 0
-        if extend_len <= 0:
-            continue
-        if any(len(item.offsets) != 1 for item in items):
-            continue
-        chunk_start = extend_prefix_lens[index]
-        chunk_end = chunk_start + extend_len  # exclusive; offsets are inclusive
-        for item in items:
-            start, end = item.offsets[0]
-            if end >= chunk_start and start < chunk_end:
-                return True
-    return False
 
 
 def canonical_geometry(value: Any) -> Any:

@@ -3,10 +3,12 @@
 The protocol lives in ``sglang_dsv41.core.owner_embedding``. These hooks only
 connect it to sglang:
 
-- when the model is built, pick the group that replicates image work
-  (``OWN-GROUP``);
-- around the model's input preparation, open a session when the batch has
-  images and run the preparation inside the session's fence (``OWN-FENCE``);
+- when the model is built, pick the group that replicates image work and
+  give it a router (``OWN-GROUP``);
+- around the model's input preparation, route the chunk from its metadata
+  (``core.owner_routing``): chunks the protocol can speed up run inside a
+  session's fence, the others (every span known to the group, or too little
+  encoder work to share) run stock sglang untouched (``OWN-FENCE``);
 - where sglang encodes the per-image cache misses of a chunk, resolve the
   spans through the session instead (``OWN-ENCODE``);
 - in the model's multimodal embedding step, hand ``embed_mm_inputs`` a text
@@ -28,19 +30,40 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from sglang_dsv41.core.owner_embedding import (
-    ItemView,
     OwnerSession,
     SpanRequest,
-    chunk_has_owner_spans,
     select_owner_group_kind,
+)
+from sglang_dsv41.core.owner_routing import (
+    ENV_MODE,
+    ChunkSpan,
+    ItemMeta,
+    OwnerRouter,
+    Route,
+    RoutingPolicy,
+    SpanDirectory,
+    chunk_spans,
 )
 
 logger = logging.getLogger(__name__)
 
-ENV_SWITCH = "SGLANG_DSV41_OWNER_BROADCAST"
+ENV_SWITCH = ENV_MODE
 
-_active_session: ContextVar[Optional[OwnerSession]] = ContextVar(
-    "sglang_dsv41_owner_session", default=None
+
+class ChunkRoute:
+    """What the fence decided for one input preparation: the route, the
+    chunk's spans, and the session when the route is the owner protocol."""
+
+    __slots__ = ("route", "spans", "session")
+
+    def __init__(self, route: Route, spans: List[ChunkSpan], session: Optional[OwnerSession]):
+        self.route = route
+        self.spans = spans
+        self.session = session
+
+
+_active_chunk: ContextVar[Optional[ChunkRoute]] = ContextVar(
+    "sglang_dsv41_owner_chunk", default=None
 )
 _decision_logged = False
 _fallback_warned = False
@@ -141,15 +164,6 @@ def symmetric_memory_disabled():
 # Group choice (OWN-GROUP)
 
 
-def _switch_enabled() -> bool:
-    raw = os.environ.get(ENV_SWITCH, "").strip().lower()
-    if raw in ("", "1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r}: expected 0 or 1")
-
-
 def _log_decision_once(message: str) -> None:
     global _decision_logged
     if not _decision_logged:
@@ -162,7 +176,8 @@ def choose_owner_group(model) -> Optional[CoordinatorGroup]:
     sglang's replicated encode."""
     if getattr(model, "vision", None) is None:
         return None
-    if not _switch_enabled():
+    policy = RoutingPolicy.from_env(os.environ)
+    if policy is None:
         _log_decision_once(f"off ({ENV_SWITCH}=0)")
         return None
     from sglang.srt.managers import mm_schedule
@@ -196,13 +211,33 @@ def choose_owner_group(model) -> Optional[CoordinatorGroup]:
         )
         return None
     group = CoordinatorGroup(coordinator)
-    _log_decision_once(f"on over the {kind} group ({group.world_size} ranks)")
+    if policy.mode == "always":
+        routing = "every image chunk through the protocol"
+    else:
+        routing = (
+            f"auto: protocol when it saves >= {policy.min_saving} patch-equivalents "
+            f"(image = {policy.per_image_cost} + its patches), stock for known spans"
+        )
+    _log_decision_once(f"on over the {kind} group ({group.world_size} ranks); routing {routing}")
     return group
+
+
+def attach_owner_path(model) -> None:
+    """Sets ``model.mm_owner_group`` and ``model.mm_owner_router`` (both None
+    when the owner path is off for this model). A bad value in the routing
+    variables stops the model build with a message naming the variable."""
+    group = choose_owner_group(model)
+    model.mm_owner_group = group
+    model.mm_owner_router = None
+    if group is not None:
+        policy = RoutingPolicy.from_env(os.environ)
+        row_bytes = model.config.hidden_size * model.image_start.element_size()
+        model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
 
 
 def after_model_init(result, model, *args, **kwargs):
     """AFTER DeepseekV4ForCausalLM.__init__."""
-    model.mm_owner_group = choose_owner_group(model)
+    attach_owner_path(model)
     return None
 
 
@@ -222,23 +257,47 @@ def _batch_has_images(model, forward_batch) -> bool:
     )
 
 
-def _image_item_views(forward_batch) -> List[List[ItemView]]:
-    from sglang.srt.managers.schedule_batch import Modality
+_IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
 
-    views = []
+
+def _item_grid(item) -> tuple:
+    data = item.model_specific_data
+    height, width = data.get("n_vit_h"), data.get("n_vit_w")
+    if type(height) is int and type(width) is int:
+        return (height, width)
+    try:
+        return (int(height), int(width))
+    except (TypeError, ValueError):
+        return ()
+
+
+def _image_item_meta(forward_batch) -> List[List[ItemMeta]]:
+    """Per request, its image items as routing metadata (one pass; this runs
+    on every image chunk, full hits included)."""
+    global _IMAGE
+    if _IMAGE is None:
+        from sglang.srt.managers.schedule_batch import Modality
+
+        _IMAGE = Modality.IMAGE
+    image = _IMAGE
+    metas = []
     for mm_input in forward_batch.mm_inputs:
-        items = [] if mm_input is None else [i for i in mm_input.mm_items if i is not None]
-        views.append(
+        if mm_input is None:
+            metas.append([])
+            continue
+        metas.append(
             [
-                ItemView(
-                    offsets=[tuple(o) for o in (item.offsets or [])],
-                    precomputed=item.precomputed_embeddings is not None,
+                ItemMeta(
+                    item.offsets or (),
+                    item.precomputed_embeddings is not None,
+                    item.hash,
+                    _item_grid(item),
                 )
-                for item in items
-                if item.is_modality(Modality.IMAGE)
+                for item in mm_input.mm_items
+                if item is not None and item.modality == image
             ]
         )
-    return views
+    return metas
 
 
 def image_span_geometry(config, item, span_len: int):
@@ -261,10 +320,50 @@ def image_span_geometry(config, item, span_len: int):
     return (height, width, item.model_specific_data.get(GPU_PLAN_KEY))
 
 
-def open_session(model, forward_batch) -> Optional[OwnerSession]:
+_MM_SCHEDULE = None
+
+
+def _mm_schedule():
+    global _MM_SCHEDULE
+    if _MM_SCHEDULE is None:
+        from sglang.srt.managers import mm_schedule
+
+        _MM_SCHEDULE = mm_schedule
+    return _MM_SCHEDULE
+
+
+def _sync_directory_capacity(router: OwnerRouter) -> None:
+    """The directory shadows the embedding cache: the same byte budget, read
+    from the cache every rank built from the same setting."""
+    cache = _mm_schedule().embedding_cache
+    capacity = int(getattr(cache, "max_size", 0) or 0) if cache is not None else 0
+    if capacity != router.directory.capacity_bytes:
+        router.directory.capacity_bytes = capacity
+        router.directory.record([], 0)  # drop what no longer fits
+
+
+def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
+    """The route of this input preparation, the same on every rank of the
+    group (it reads only batch metadata, settings and the directory)."""
     group = getattr(model, "mm_owner_group", None)
-    if group is None or not _batch_has_images(model, forward_batch):
+    router = getattr(model, "mm_owner_router", None)
+    if group is None or router is None or not _batch_has_images(model, forward_batch):
         return None
+    _sync_directory_capacity(router)
+    spans = chunk_spans(
+        _image_item_meta(forward_batch),
+        forward_batch.extend_prefix_lens_cpu,
+        forward_batch.extend_seq_lens_cpu,
+    )
+    route = router.route(spans)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("[sglang-dsv41] owner-broadcast: %d image spans, route %s", len(spans), route.value)
+    session = open_session(model, forward_batch) if route is Route.OWNER else None
+    return ChunkRoute(route, spans, session)
+
+
+def open_session(model, forward_batch) -> OwnerSession:
+    group = model.mm_owner_group
     config = model.config
     return OwnerSession(
         group,
@@ -273,30 +372,37 @@ def open_session(model, forward_batch) -> Optional[OwnerSession]:
         width=config.hidden_size,
         request_ids=list(forward_batch.rids or ()),
         signature=lambda item, span_len: image_span_geometry(config, item, span_len),
-        engaged=chunk_has_owner_spans(
-            _image_item_views(forward_batch),
-            forward_batch.extend_prefix_lens_cpu,
-            forward_batch.extend_seq_lens_cpu,
-        ),
         allocation_context=symmetric_memory_disabled,
     )
 
 
 def around_prepare_language_model_inputs(original, model, input_ids, forward_batch, *args, **kwargs):
-    """AROUND DeepseekV4ForCausalLM.prepare_language_model_inputs: the fence."""
-    session = open_session(model, forward_batch)
-    token = _active_session.set(session)
+    """AROUND DeepseekV4ForCausalLM.prepare_language_model_inputs: route the
+    chunk; the owner route runs inside the session's fence."""
+    chunk = route_chunk(model, forward_batch)
+    token = _active_chunk.set(chunk)
     try:
-        if session is None:
-            return original(model, input_ids, forward_batch, *args, **kwargs)
-        with session.fence():
-            return original(model, input_ids, forward_batch, *args, **kwargs)
+        if chunk is None or chunk.session is None:
+            result = original(model, input_ids, forward_batch, *args, **kwargs)
+        else:
+            with chunk.session.fence():
+                result = original(model, input_ids, forward_batch, *args, **kwargs)
     finally:
-        _active_session.reset(token)
+        _active_chunk.reset(token)
+    if chunk is not None and chunk.spans:
+        # Reached on every rank or (after an agreed error) on none; a local
+        # error on a stock route takes the scheduler down, directory and all.
+        model.mm_owner_router.completed(chunk.spans)
+    return result
+
+
+def active_chunk() -> Optional[ChunkRoute]:
+    return _active_chunk.get()
 
 
 def active_session() -> Optional[OwnerSession]:
-    return _active_session.get()
+    chunk = _active_chunk.get()
+    return None if chunk is None else chunk.session
 
 
 # --------------------------------------------------------------------------
@@ -349,13 +455,24 @@ class AgreedTextEmbedding:
         return self._session.embed_text(lambda: None, lambda _unused: embedding(input_ids))
 
 
+_DEEPSEEK_V4 = None
+
+
+def _deepseek_v4():
+    global _DEEPSEEK_V4
+    if _DEEPSEEK_V4 is None:
+        from sglang.srt.models import deepseek_v4
+
+        _DEEPSEEK_V4 = deepseek_v4
+    return _DEEPSEEK_V4
+
+
 def replace_prepare_mm_embeddings(model, input_ids, forward_batch):
     """REPLACE DeepseekV4ForCausalLM._prepare_mm_embeddings: the same call of
     ``embed_mm_inputs``, with the agreed text embedding when a session is engaged."""
-    from sglang.srt.models import deepseek_v4
-
+    deepseek_v4 = _deepseek_v4()
     embedding = model.get_input_embeddings()
-    session = _active_session.get()
+    session = active_session()
     if session is not None and session.engaged:
         embedding = AgreedTextEmbedding(session, embedding)
     # embed_mm_inputs clamps its input ids in place; the scheduler's hash ids
@@ -431,14 +548,15 @@ def owner_encoder(data_embedding_func, device):
 def around_batch_encode_per_image_misses(original, data_embedding_func, per_image_requests, device):
     """AROUND mm_schedule._batch_encode_per_image_misses."""
     global _fallback_warned
-    session = _active_session.get()
+    chunk = _active_chunk.get()
+    session = None if chunk is None else chunk.session
     if session is not None and session.engaged:
         return session.resolve(
             collect_span_requests(per_image_requests),
             StaticCacheAdapter(),
             owner_encoder(data_embedding_func, device),
         )
-    if session is not None and not _fallback_warned:
+    if chunk is not None and chunk.route is Route.NO_SPANS and not _fallback_warned:
         # The metadata mirror said no span; encoding locally on every rank is
         # what stock sglang does and needs no collective, so it stays safe.
         _fallback_warned = True

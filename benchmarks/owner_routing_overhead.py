@@ -1,0 +1,182 @@
+"""What routing adds to a full-cache-hit chunk in sglang 0.5.23's real input preparation.
+
+A chunk whose images every rank already holds is served by stock sglang with
+cache lookups and assembly; with the plugin the chunk is first routed
+(``core.owner_routing``: spans from the batch metadata, a directory lookup,
+the directory touched afterwards) and, routed ``known``, runs the same stock
+code with no collective. This script times
+``DeepseekV4ForCausalLM.prepare_language_model_inputs`` (the real method, the
+real ``embed_mm_inputs`` and per-image scheduling code underneath) on one
+process, for chunks of 1, 8 and 32 cached images:
+
+  stock    the upstream methods, no patch installed
+  hooks    OWN-FENCE, OWN-TEXT-EMBED and OWN-ENCODE installed (sglang's own
+           hook wrappers), the owner path off for this model: the wrappers'
+           own cost
+  plugin   the same hooks, the model's router knowing every span (route
+           ``known``): what a full hit costs with the plugin
+  routing  route_chunk + the directory update alone, on the same batches
+
+in blocks of ten chunks, the variants alternating block by block so that
+machine load hits them alike, timed in this thread's CPU time (time spent
+descheduled on a shared machine is left out); it prints the median per chunk,
+the difference plugin - stock and plugin/stock. The width is small on
+purpose: torch's copies then cost little and the Python work the plugin adds
+is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
+7168-wide rows, which only adds to the stock side).
+
+Needs sglang 0.5.23 (CPU is enough):
+  PYTHONPATH=python python benchmarks/owner_routing_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+WIDTH = 64
+VOCAB = 1024
+IMAGE_TOKEN_ID = VOCAB - 1
+GRID = (32, 32)  # ViT patches; downsample 2 -> 16 x 17 + 2 = 274 tokens
+RATIO = 2
+PATCHES = ("OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
+BLOCK = 10  # chunks per timed block
+
+
+def span_tokens(grid):
+    n_h, n_w = -(-grid[0] // RATIO), -(-grid[1] // RATIO)
+    return 2 + n_h * (n_w + 1)
+
+
+def build(images: int):
+    from sglang.srt.managers import mm_schedule
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+    from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(VOCAB, WIDTH)
+
+        def get_input_embeddings(self):
+            return self.embed_tokens
+
+    class CachedVisionModel(DeepseekV4ForCausalLM):
+        """The real class; only what input preparation reads is built."""
+
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.config = SimpleNamespace(hidden_size=WIDTH, image_token_id=IMAGE_TOKEN_ID,
+                                          vision_downsample_ratio=RATIO)
+            self.vision = object()
+            self.image_start = nn.Parameter(torch.zeros(WIDTH))
+            self.model = Body()
+            self.encoder_calls = 0
+
+        def get_image_feature(self, items):
+            self.encoder_calls += 1
+            raise AssertionError("a full-hit chunk reached the encoder")
+
+    tokens = span_tokens(GRID)
+    length = images * (tokens + 4) + 8
+    ids = [(7 * i + 1) % (VOCAB - 1) for i in range(length)]
+    items = []
+    mm_schedule.init_mm_embedding_cache(1 << 30)
+    for index in range(images):
+        start = 4 + index * (tokens + 4)
+        item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(3, 4),
+                                  offsets=[(start, start + tokens - 1)])
+        item.set_hash(10_000_019 * (index + 1))
+        item.model_specific_data.update(n_vit_h=GRID[0], n_vit_w=GRID[1])
+        ids[start : start + tokens] = item.padding_sequence(tokens)
+        mm_schedule.embedding_cache.set(item.hash, EmbeddingResult(embedding=torch.randn(tokens, WIDTH)))
+        items.append(item)
+    mm_input = MultimodalInputs(mm_items=items, im_token_id=IMAGE_TOKEN_ID)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+
+    def batch():
+        return SimpleNamespace(forward_mode=ForwardMode.EXTEND, mm_inputs=[mm_input],
+                               extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[length],
+                               rids=["bench"], mm_input_embeds=None)
+
+    return CachedVisionModel(), input_ids, batch
+
+
+def attach_router(model, world):
+    from sglang_dsv41.core.owner_routing import OwnerRouter, RoutingPolicy, SpanDirectory
+    from sglang_dsv41.hooks import owner_broadcast
+
+    # The known route never touches the group: a stand-in names its size.
+    model.mm_owner_group = SimpleNamespace(world_size=world)
+    model.mm_owner_router = OwnerRouter(world, RoutingPolicy(), SpanDirectory(0),
+                                        WIDTH * model.image_start.element_size())
+    batch = model._bench_batch()
+    chunk = owner_broadcast.route_chunk(model, batch)  # syncs capacity with the cache
+    model.mm_owner_router.completed(chunk.spans)
+    assert owner_broadcast.route_chunk(model, batch).route.value == "known"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--world", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from sglang_dsv41.hooks import owner_broadcast
+    from sglang_dsv41.testing import patches_installed
+
+    print(f"full-hit chunks, real sglang 0.5.23 input preparation on {torch.get_num_threads()} "
+          f"CPU thread(s), width {WIDTH}, {span_tokens(GRID)} tokens per image, group of "
+          f"{args.world}; median over {args.rounds} rounds of {BLOCK} chunks per variant, "
+          "variants alternating round by round")
+    print(f"{'images':>6} {'stock us':>10} {'hooks us':>10} {'plugin us':>10} {'added us':>9} "
+          f"{'plugin/stock':>12} {'routing us':>10}")
+    for images in [int(v) for v in args.images.split(",")]:
+        model, input_ids, make_batch = build(images)
+        model._bench_batch = make_batch
+        batches = [make_batch() for _ in range(BLOCK)]
+        times = {"stock": [], "hooks": [], "plugin": [], "routing": []}
+
+        def block(variant):
+            for batch in batches:
+                batch.mm_input_embeds = None
+            start = time.thread_time()  # CPU time of this thread: a shared VM's
+            if variant == "routing":        # preemptions do not count
+                for batch in batches:
+                    model.mm_owner_router.completed(owner_broadcast.route_chunk(model, batch).spans)
+            else:
+                for batch in batches:
+                    model.prepare_language_model_inputs(input_ids, batch, None)
+            times[variant].append((time.thread_time() - start) / BLOCK)
+
+        with torch.inference_mode():
+            attach_router(model, args.world)
+            router = model.mm_owner_router
+            for _ in range(args.rounds):
+                block("stock")
+                with patches_installed(*PATCHES):
+                    model.mm_owner_group, model.mm_owner_router = None, None
+                    block("hooks")  # patches on, owner path off for this model
+                    model.mm_owner_group = SimpleNamespace(world_size=args.world)
+                    model.mm_owner_router = router
+                    block("plugin")
+                    block("routing")
+        assert model.encoder_calls == 0
+        assert router.routes[owner_broadcast.Route.KNOWN] >= 2 * args.rounds * BLOCK
+        stock, hooks, plugin, routing = (statistics.median(times[k][2:]) * 1e6
+                                         for k in ("stock", "hooks", "plugin", "routing"))
+        print(f"{images:>6} {stock:>10.1f} {hooks:>10.1f} {plugin:>10.1f} {plugin - stock:>9.1f} "
+              f"{plugin / stock:>12.3f} {routing:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

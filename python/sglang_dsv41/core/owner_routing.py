@@ -1,0 +1,305 @@
+"""Which image chunks take the owner protocol, decided without communication.
+
+The owner protocol (``owner_embedding``) costs a few status rounds per chunk,
+tens to hundreds of microseconds each. That buys a lot when several cold
+images are spread over the owners, and nothing at all when
+
+- every span of the chunk is already in every rank's embedding cache: stock
+  sglang serves them with a local lookup of a few microseconds each, and any
+  agreement is pure overhead; or
+- the owner path cannot take encoder work off the slowest rank: one image,
+  or all cold images on one owner, or images so small that what the owners
+  save is less than what the rounds cost.
+
+Such chunks run stock sglang's replicated encode instead, with no collective
+of ours. The decision must be the same on every rank of the group without a
+message, so it reads only what every rank holds identically: the chunk's
+host-side metadata, the routing policy (from the environment), and the
+``SpanDirectory``, a record of the spans the group completed, updated at the
+same point of the same chunks on every rank. It never reads the local cache,
+whose contents a rank cannot vouch for on behalf of its peers.
+
+When the directory says a span is known but a rank's cache no longer holds it
+(its own LRU dropped it, or a corrupt entry was evicted), that rank encodes
+the span locally, exactly as stock sglang would: slower once, never a
+mismatch of collectives. Since every rank's cache sees the same operations in
+the same order, its peers usually do the same.
+
+Chunks routed to stock keep stock's failure semantics: an encoder error on
+one rank is that rank's error, not an agreed one. ``RoutingPolicy(mode=
+"always")`` sends every image chunk through the protocol instead.
+
+This module depends on msgspec only.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import OrderedDict
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import msgspec
+
+ENV_MODE = "SGLANG_DSV41_OWNER_BROADCAST"
+ENV_PER_IMAGE_COST = "SGLANG_DSV41_OWNER_PER_IMAGE_COST"
+ENV_MIN_SAVING = "SGLANG_DSV41_OWNER_MIN_SAVING"
+
+# Defaults, in patch-equivalents (the encoder cost of one ViT patch). On the
+# H200 with a V4.1-shaped tower (benchmarks/owner_embedding.py) an image costs
+# about 4.7 ms before its first patch and 0.9 us per patch, so one image is
+# worth about 5,000 patches; 4,096 keeps the estimate on the low side. The
+# protocol on two NCCL ranks costs about 1 ms per chunk (~1,100 patches);
+# the owner path is taken only when it saves at least 4,096 (~3.6 ms), so
+# that misestimates of either term do not make it the slower choice.
+DEFAULT_PER_IMAGE_COST = 4096
+DEFAULT_MIN_SAVING = 4096
+
+# (content hash, span length in tokens, ViT grid): what identifies a span.
+DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
+
+
+class Route(str, enum.Enum):
+    NO_SPANS = "no-spans"  # the per-image path sees no span in this chunk
+    KNOWN = "known"  # every span is in the directory: local lookups only
+    NOT_WORTH = "not-worth"  # the owner path would not save encoder time
+    OWNER = "owner"  # the owner protocol
+
+
+class ChunkSpan:
+    """One distinct image span of a chunk, from host-side metadata.
+
+    A plain slotted class with its key built once: routing runs on every
+    chunk, including full hits that stock serves in microseconds."""
+
+    __slots__ = ("content_hash", "span_len", "grid", "key")
+
+    def __init__(self, content_hash: Optional[int], span_len: int, grid: Tuple[int, ...] = ()):
+        self.content_hash = content_hash
+        self.span_len = span_len
+        self.grid = grid  # ViT patch grid, when the item carries one
+        self.key: DirectoryKey = (content_hash, span_len, grid)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ChunkSpan) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"ChunkSpan{self.key!r}"
+
+    @property
+    def patches(self) -> int:
+        if self.grid:
+            count = 1
+            for side in self.grid:
+                count *= max(int(side), 0)
+            return count
+        return self.span_len  # no grid: tokens are the next best proxy
+
+
+class ItemMeta(NamedTuple):
+    """The host-side facts about one image item that the routing needs (a
+    tuple: one is built per image per chunk)."""
+
+    offsets: Sequence[Tuple[int, int]]
+    precomputed: bool = False
+    content_hash: Optional[int] = None
+    grid: Tuple[int, ...] = ()
+
+
+def chunk_spans(
+    requests: Sequence[Sequence[ItemMeta]],
+    extend_prefix_lens: Sequence[int],
+    extend_seq_lens: Sequence[int],
+) -> List[ChunkSpan]:
+    """The distinct spans sglang's per-image path will find in this chunk, in
+    first-seen order, deduplicated by (content hash, span length) as that path
+    does.
+
+    Mirrors the scheduling code: items with precomputed embeddings send the
+    whole batch another way, a request whose items have several runs takes the
+    whole-request path, and an item counts only when its span overlaps the
+    tokens this chunk extends.
+    """
+    spans: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+    n_prefix, n_extend = len(extend_prefix_lens), len(extend_seq_lens)
+    for index, items in enumerate(requests):
+        if not items:
+            continue
+        for item in items:
+            if item.precomputed:
+                return []  # one precomputed item sends the whole batch another way
+        if index >= n_prefix:
+            continue
+        extend_len = extend_seq_lens[index] if index < n_extend else 0
+        if extend_len <= 0:
+            continue
+        chunk_start = extend_prefix_lens[index]
+        chunk_end = chunk_start + extend_len  # exclusive; offsets are inclusive
+        overlapping = []
+        for item in items:
+            offsets = item.offsets
+            if len(offsets) != 1:
+                overlapping = None  # the whole-request path takes this request
+                break
+            start, end = offsets[0]
+            if end >= chunk_start and start < chunk_end:
+                overlapping.append((item, end - start + 1))
+        for item, span_len in overlapping or ():
+            dedup = (item.content_hash, span_len)
+            if dedup not in spans:
+                spans[dedup] = ChunkSpan(item.content_hash, span_len, item.grid)
+    return list(spans.values())
+
+
+class SpanDirectory:
+    """The spans this group completed recently, least recently used first,
+    bounded in bytes like the embedding cache it shadows.
+
+    Every rank applies the same ``record`` calls in the same order, so every
+    rank holds the same directory; nothing local (cache hits, allocation
+    results, timing) ever enters it.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = max(int(capacity_bytes), 0)
+        self._entries: "OrderedDict[DirectoryKey, int]" = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: DirectoryKey) -> bool:
+        return key in self._entries
+
+    def knows_all(self, spans: Sequence[ChunkSpan]) -> bool:
+        entries = self._entries
+        for span in spans:
+            if span.key not in entries:
+                return False
+        return True
+
+    def record(self, spans: Sequence[ChunkSpan], row_bytes: int) -> None:
+        """The group completed these spans (in this order; a span of n tokens
+        takes n * ``row_bytes``): touch or add each, then drop the least
+        recently used until the bytes fit."""
+        entries = self._entries
+        touch = entries.move_to_end
+        for span in spans:
+            key = span.key
+            if key in entries:
+                touch(key)
+                continue
+            size = span.span_len * row_bytes
+            if span.content_hash is None or size > self.capacity_bytes:
+                continue  # never cached under a hash, or too big for the cache
+            entries[key] = size
+            self.bytes += size
+        while self.bytes > self.capacity_bytes and entries:
+            _key, size = entries.popitem(last=False)
+            self.bytes -= size
+
+    def digest(self) -> str:
+        """A short fingerprint of the contents and their order (diagnostics
+        and tests: equal on every rank of a group)."""
+        text = repr(list(self._entries.items())).encode()
+        return hashlib.blake2b(text, digest_size=8).hexdigest()
+
+
+class RoutingPolicy(msgspec.Struct, frozen=True):
+    """``mode``: "auto" routes each chunk by the rules above; "always" sends
+    every chunk with an image span through the protocol (the agreement guards
+    every chunk, at its cost). Costs are in patch-equivalents."""
+
+    mode: str = "auto"
+    per_image_cost: int = DEFAULT_PER_IMAGE_COST
+    min_saving: int = DEFAULT_MIN_SAVING
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "always"):
+            raise ValueError(f"routing mode {self.mode!r}: expected 'auto' or 'always'")
+        if self.per_image_cost < 0 or self.min_saving < 0:
+            raise ValueError("routing costs must be >= 0")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Optional["RoutingPolicy"]:
+        """The policy the environment asks for, or None when the owner path is
+        switched off. Raises ValueError naming the variable on a bad value."""
+        raw = environ.get(ENV_MODE, "").strip().lower()
+        if raw in ("0", "false", "off", "no"):
+            return None
+        if raw in ("", "1", "true", "on", "yes", "auto"):
+            mode = "auto"
+        elif raw == "always":
+            mode = "always"
+        else:
+            raise ValueError(f"{ENV_MODE}={environ[ENV_MODE]!r}: expected 0, 1, auto or always")
+        costs = {}
+        for name, field, default in (
+            (ENV_PER_IMAGE_COST, "per_image_cost", DEFAULT_PER_IMAGE_COST),
+            (ENV_MIN_SAVING, "min_saving", DEFAULT_MIN_SAVING),
+        ):
+            text = environ.get(name, "").strip()
+            try:
+                costs[field] = int(text) if text else default
+            except ValueError:
+                raise ValueError(f"{name}={text!r}: expected a whole number of patches") from None
+            if costs[field] < 0:
+                raise ValueError(f"{name}={text!r}: expected a number >= 0")
+        return cls(mode=mode, **costs)
+
+
+def encoder_saving(spans: Sequence[ChunkSpan], world_size: int, per_image_cost: int) -> int:
+    """Encoder work (patch-equivalents) the owner path takes off the slowest
+    rank: every rank encoding all ``spans``, against the busiest owner
+    (owner = content hash mod group size) encoding its share."""
+    if world_size <= 1 or not spans:
+        return 0
+    shares = [0] * world_size
+    for span in spans:
+        shares[span.content_hash % world_size] += per_image_cost + span.patches
+    return sum(shares) - max(shares)
+
+
+class OwnerRouter:
+    """Routes each chunk and keeps the directory; one per model (group)."""
+
+    def __init__(
+        self, world_size: int, policy: RoutingPolicy, directory: SpanDirectory, row_bytes: int
+    ):
+        """``row_bytes``: bytes of one embedding row (width x element size)."""
+        self.world_size = int(world_size)
+        self.row_bytes = int(row_bytes)
+        self.policy = policy
+        self.directory = directory
+        self.routes: Dict[Route, int] = {route: 0 for route in Route}
+        self._always = policy.mode == "always"
+
+    def route(self, spans: Sequence[ChunkSpan]) -> Route:
+        route = self._route(spans)
+        self.routes[route] += 1
+        return route
+
+    def _route(self, spans: Sequence[ChunkSpan]) -> Route:
+        if not spans:
+            return Route.NO_SPANS
+        if self._always:
+            return Route.OWNER
+        known = self.directory._entries
+        cold = []
+        for span in spans:
+            if span.content_hash is None:
+                # Hashless spans go to the protocol, which rejects them on every rank.
+                return Route.OWNER
+            if span.key not in known:
+                cold.append(span)
+        if not cold:
+            return Route.KNOWN
+        saving = encoder_saving(cold, self.world_size, self.policy.per_image_cost)
+        return Route.OWNER if saving >= self.policy.min_saving else Route.NOT_WORTH
+
+    def completed(self, spans: Sequence[ChunkSpan]) -> None:
+        """Every rank finished preparing a chunk with these spans."""
+        self.directory.record(spans, self.row_bytes)

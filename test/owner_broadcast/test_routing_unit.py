@@ -1,0 +1,223 @@
+"""Unit tests of chunk routing (sglang_dsv41.core.owner_routing), no sglang import.
+
+Multi-rank behaviour of the routes (no collective on stock routes, directories
+equal on every rank) is in test_gloo_group.py and test_adapters.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_dsv41.core.owner_routing import (
+    DEFAULT_MIN_SAVING,
+    DEFAULT_PER_IMAGE_COST,
+    ENV_MIN_SAVING,
+    ENV_MODE,
+    ENV_PER_IMAGE_COST,
+    ChunkSpan,
+    ItemMeta,
+    OwnerRouter,
+    Route,
+    RoutingPolicy,
+    SpanDirectory,
+    chunk_spans,
+    encoder_saving,
+)
+
+
+def meta(start, end, content_hash=7, grid=(4, 4), **kwargs):
+    return ItemMeta(offsets=[(start, end)], content_hash=content_hash, grid=grid, **kwargs)
+
+
+# ------------------------------------------------ spans from host metadata
+
+
+def test_spans_only_where_a_span_overlaps_the_chunk():
+    image = [meta(5, 14)]
+    # prefix 0, extend 8: tokens 0..7 overlap the span 5..14
+    assert chunk_spans([image], [0], [8]) == [ChunkSpan(7, 10, (4, 4))]
+    # prefix 15: the span lies wholly in the prefix
+    assert chunk_spans([image], [15], [10]) == []
+    # the chunk ends right before the span
+    assert chunk_spans([image], [0], [5]) == []
+    # the last span token is the first chunk token
+    assert chunk_spans([image], [14], [3]) == [ChunkSpan(7, 10, (4, 4))]
+    # nothing extended for this request
+    assert chunk_spans([image], [0], [0]) == []
+    # extend lengths shorter than the request list count as zero
+    assert chunk_spans([[], image], [0, 0], [4]) == []
+    assert len(chunk_spans([[], image], [0, 0], [4, 6])) == 1
+
+
+def test_no_spans_for_precomputed_or_multi_run_items():
+    assert chunk_spans([[meta(0, 3, precomputed=True)]], [0], [9]) == []
+    # one precomputed item anywhere sends the batch down another path
+    assert chunk_spans([[meta(0, 3)], [meta(0, 3, precomputed=True)]], [0, 0], [9, 9]) == []
+    multi_run = ItemMeta(offsets=[(0, 3), (6, 8)], content_hash=1)
+    assert chunk_spans([[multi_run]], [0], [9]) == []
+    # a request with a multi-run item takes the whole-request path; others still count
+    assert chunk_spans([[multi_run], [meta(0, 3, content_hash=2)]], [0, 0], [9, 9]) == [
+        ChunkSpan(2, 4, (4, 4))
+    ]
+    assert chunk_spans([[]], [0], [9]) == []
+
+
+def test_spans_deduplicated_by_hash_and_length_in_first_seen_order():
+    a = [meta(0, 9, content_hash=3), meta(10, 13, content_hash=5)]
+    b = [meta(2, 11, content_hash=3), meta(12, 21, content_hash=5)]
+    spans = chunk_spans([a, b], [0, 0], [14, 22])
+    # hash 3 twice with 10 tokens is one span; hash 5 with 4 and 10 tokens is two
+    assert [(s.content_hash, s.span_len) for s in spans] == [(3, 10), (5, 4), (5, 10)]
+
+
+def test_patches_from_the_grid_or_the_span_length():
+    assert ChunkSpan(1, 20, (6, 8)).patches == 48
+    assert ChunkSpan(1, 20).patches == 20
+
+
+# ------------------------------------------------ the directory
+
+
+def span(content_hash, span_len=10, grid=(3, 3)):
+    return ChunkSpan(content_hash, span_len, grid)
+
+
+def test_directory_records_touches_and_evicts_least_recently_used_by_bytes():
+    directory = SpanDirectory(capacity_bytes=300)
+    directory.record([span(1), span(2), span(3)], 10)  # 10 tokens x 10 bytes each
+    assert directory.knows_all([span(1), span(2), span(3)]) and directory.bytes == 300
+    directory.record([span(1)], 10)  # touch: 2 is now the oldest
+    directory.record([span(4)], 10)
+    assert span(2).key not in directory
+    assert directory.knows_all([span(1), span(3), span(4)])
+    assert directory.bytes == 300 and len(directory) == 3
+
+
+def test_directory_skips_what_the_cache_would_not_hold():
+    directory = SpanDirectory(capacity_bytes=100)
+    directory.record([span(1, 101), span(None, 10), span(2, 50)], 1)
+    assert span(1, 101).key not in directory  # bigger than the whole cache
+    assert span(None, 10).key not in directory  # never cached under a hash
+    assert span(2, 50).key in directory
+
+
+def test_directory_key_includes_length_and_grid():
+    directory = SpanDirectory(capacity_bytes=1000)
+    directory.record([span(1, 10, (3, 3))], 1)
+    assert not directory.knows_all([span(1, 12, (3, 3))])
+    assert not directory.knows_all([span(1, 10, (3, 4))])
+    assert directory.knows_all([span(1, 10, (3, 3))])
+
+
+def test_directory_shrinks_when_capacity_drops():
+    directory = SpanDirectory(capacity_bytes=1000)
+    directory.record([span(1), span(2)], 40)
+    directory.capacity_bytes = 500
+    directory.record([], 40)
+    assert list(k[0] for k in directory._entries) == [2] and directory.bytes == 400
+
+
+def test_directories_fed_the_same_history_are_equal():
+    rng = random.Random(3)
+    history = [
+        [span(h, 10 * (h % 4 + 1)) for h in (rng.randrange(20) for _ in range(rng.randrange(1, 5)))]
+        for _ in range(200)
+    ]
+    first, second = SpanDirectory(2000), SpanDirectory(2000)
+    for spans in history:
+        first.record(spans, 10)
+        second.record(spans, 10)
+    assert first.digest() == second.digest()
+    assert first.bytes <= 2000
+    # and a different history gives a different digest
+    second.record([span(999)], 10)
+    assert first.digest() != second.digest()
+
+
+# ------------------------------------------------ the policy
+
+
+def test_policy_from_env_defaults_and_switches():
+    assert RoutingPolicy.from_env({}) == RoutingPolicy(
+        "auto", DEFAULT_PER_IMAGE_COST, DEFAULT_MIN_SAVING
+    )
+    for off in ("0", "off", "false", " NO "):
+        assert RoutingPolicy.from_env({ENV_MODE: off}) is None
+    for auto in ("1", "on", "auto", "true"):
+        assert RoutingPolicy.from_env({ENV_MODE: auto}).mode == "auto"
+    assert RoutingPolicy.from_env({ENV_MODE: "always"}).mode == "always"
+    policy = RoutingPolicy.from_env({ENV_PER_IMAGE_COST: "10", ENV_MIN_SAVING: "0"})
+    assert (policy.per_image_cost, policy.min_saving) == (10, 0)
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({ENV_MODE: "sometimes"}, ENV_MODE),
+        ({ENV_PER_IMAGE_COST: "ten"}, ENV_PER_IMAGE_COST),
+        ({ENV_MIN_SAVING: "-1"}, ENV_MIN_SAVING),
+        ({ENV_MIN_SAVING: "1.5"}, ENV_MIN_SAVING),
+    ],
+)
+def test_policy_rejects_bad_values_naming_the_variable(env, named):
+    with pytest.raises(ValueError, match=named):
+        RoutingPolicy.from_env(env)
+
+
+# ------------------------------------------------ saving and routes
+
+
+def test_encoder_saving_counts_what_leaves_the_busiest_owner():
+    # hashes 0 and 1 land on different owners of two: one image's cost is saved
+    assert encoder_saving([span(0, grid=(4, 4)), span(1, grid=(4, 4))], 2, 100) == 116
+    # both on owner 0: nothing is saved
+    assert encoder_saving([span(0), span(2)], 2, 100) == 0
+    # one image never saves anything
+    assert encoder_saving([span(5, grid=(64, 64))], 8, 100) == 0
+    assert encoder_saving([span(1), span(2)], 1, 100) == 0
+    # eight images over eight owners, one each: seven of eight are saved
+    assert encoder_saving([span(h, grid=(2, 2)) for h in range(8)], 8, 0) == 7 * 4
+
+
+def router(world=2, **policy):
+    return OwnerRouter(world, RoutingPolicy(**policy), SpanDirectory(10**9), row_bytes=2)
+
+
+def test_routes():
+    r = router(per_image_cost=100, min_saving=100)
+    assert r.route([]) is Route.NO_SPANS
+    # one image: the owner path cannot beat every rank encoding it at once
+    assert r.route([span(1, grid=(64, 64))]) is Route.NOT_WORTH
+    # two images on two owners, each worth more than the threshold
+    pair = [span(0, grid=(4, 4)), span(1, grid=(4, 4))]
+    assert r.route(pair) is Route.OWNER
+    r.completed(pair)
+    assert r.route(pair) is Route.KNOWN
+    # one known, one cold: the cold one alone saves nothing
+    assert r.route([span(0, grid=(4, 4)), span(3, grid=(4, 4))]) is Route.NOT_WORTH
+    # a hashless span goes to the protocol, which rejects it on every rank
+    assert r.route([span(None)]) is Route.OWNER
+    assert r.routes[Route.OWNER] == 2 and r.routes[Route.KNOWN] == 1
+
+
+def test_threshold_is_inclusive_and_tiny_images_stay_stock():
+    tiny = [span(h, grid=(1, 1)) for h in range(8)]
+    # defaults: eight one-patch images over eight owners save 7 x (4096 + 1)
+    assert router(world=8).route(tiny) is Route.OWNER
+    assert router(world=8, per_image_cost=0, min_saving=7).route(tiny) is Route.OWNER
+    assert router(world=8, per_image_cost=0, min_saving=8).route(tiny) is Route.NOT_WORTH
+    # two tiny images with the defaults: ~4 ms saved is the line
+    two = [span(0, grid=(1, 1)), span(1, grid=(1, 1))]
+    assert router().route(two) is Route.OWNER
+    assert router(min_saving=DEFAULT_PER_IMAGE_COST + 2).route(two) is Route.NOT_WORTH
+
+
+def test_always_mode_sends_every_chunk_with_spans_to_the_protocol():
+    r = router(mode="always")
+    one = [span(1)]
+    assert r.route(one) is Route.OWNER
+    r.completed(one)
+    assert r.route(one) is Route.OWNER
+    assert r.route([]) is Route.NO_SPANS
