@@ -326,6 +326,20 @@ def run_all(rank, coordinator, counts):
     finally:
         for name, real in saved.items():
             setattr(vpe, name, real)
+    # A bad routing setting stops the model build, naming the variable.
+    bad_env = {"name": "bad-env", "rank": rank}
+    for key, variable, value in (("mode", owner_broadcast.ENV_SWITCH, "sometimes"),
+                                 ("saving", ENV_MIN_SAVING, "lots")):
+        os.environ[owner_broadcast.ENV_SWITCH] = "auto"
+        os.environ[variable] = value
+        try:
+            owner_broadcast.after_model_init(None, VisionModel())
+            bad_env[key] = "built"
+        except ValueError as exc:
+            bad_env[key] = str(exc)
+        finally:
+            os.environ.pop(ENV_MIN_SAVING, None)
+    results.append(bad_env)
     results.append({
         "name": "installed",
         "forward_uses_local_shard": forward_uses_local_shard,

@@ -237,3 +237,9 @@ def test_one_image_runs_stock_on_every_rank(results):
     r0, r1 = both(results, "auto-one-image")
     assert r0["digest"] == r1["digest"] and r0["directory"] == r1["directory"]
     assert r0["directory_spans"] == 1
+
+
+def test_a_bad_routing_setting_stops_the_model_build(results):
+    for r in both(results, "bad-env"):
+        assert "SGLANG_DSV41_OWNER_BROADCAST='sometimes'" in r["mode"], r
+        assert "SGLANG_DSV41_OWNER_MIN_SAVING='lots'" in r["saving"], r

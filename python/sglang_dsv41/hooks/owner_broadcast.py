@@ -280,6 +280,7 @@ def _image_item_meta(forward_batch) -> List[List[ItemMeta]]:
 
         _IMAGE = Modality.IMAGE
     image = _IMAGE
+    new_meta = tuple.__new__  # an ItemMeta without its Python-level __new__
     metas = []
     for mm_input in forward_batch.mm_inputs:
         if mm_input is None:
@@ -287,11 +288,14 @@ def _image_item_meta(forward_batch) -> List[List[ItemMeta]]:
             continue
         metas.append(
             [
-                ItemMeta(
-                    item.offsets or (),
-                    item.precomputed_embeddings is not None,
-                    item.hash,
-                    _item_grid(item),
+                new_meta(
+                    ItemMeta,
+                    (
+                        item.offsets or (),
+                        item.precomputed_embeddings is not None,
+                        item.hash,
+                        _item_grid(item),
+                    ),
                 )
                 for item in mm_input.mm_items
                 if item is not None and item.modality == image
