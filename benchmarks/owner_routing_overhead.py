@@ -21,7 +21,9 @@ in blocks of ten chunks, timed in this thread's CPU time (time spent
 descheduled on a shared machine is left out), in phases: stock blocks, then
 with the patches in, hooks, plugin and routing blocks; the phases repeat, so
 drift over the run hits every variant. It prints the median per chunk,
-plugin - stock, plugin/stock and routing/stock. The width is small on
+plugin - stock, plugin/stock, routing/stock, and the stock spread: how far
+apart the per-phase medians of stock itself land ((max - min) / median), the
+resolution of the end-to-end columns on this machine. The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
 is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
 7168-wide rows, which only adds to the stock side).
@@ -142,7 +144,8 @@ def main():
           f"{args.world}; median over {args.phases} x {args.rounds} blocks of {BLOCK} chunks "
           "per variant (CPU time of this thread)")
     print(f"{'images':>6} {'stock us':>10} {'hooks us':>10} {'plugin us':>10} "
-          f"{'added us':>9} {'plugin/stock':>12} {'routing us':>10} {'routing/stock':>13}")
+          f"{'added us':>9} {'plugin/stock':>12} {'routing us':>10} {'routing/stock':>13} "
+          f"{'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images)
         model._bench_batch = make_batch
@@ -190,9 +193,14 @@ def main():
         assert router.routes[owner_broadcast.Route.KNOWN] >= 2 * args.rounds * BLOCK
         stock, hooks, plugin, routing = (statistics.median(times[k]) * 1e6
                                          for k in ("stock", "hooks", "plugin", "routing"))
+        # How far apart the phases of one variant land: differences smaller
+        # than this are below what this machine can resolve.
+        phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
+                         for i in range(0, len(times["stock"]), args.rounds)]
+        spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
         print(f"{images:>6} {stock:>10.1f} {hooks:>10.1f} "
               f"{plugin:>10.1f} {plugin - stock:>9.1f} {plugin / stock:>12.3f} {routing:>10.1f} "
-              f"{routing / stock:>13.3f}", flush=True)
+              f"{routing / stock:>13.3f} {spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":
