@@ -184,6 +184,16 @@ def test_decision_is_logged_once_per_process(results):
         assert "on over the attn_tp group (2 ranks)" in lines[0]
 
 
+def test_first_chunk_of_each_route_is_logged_per_router(results):
+    for log in results["_logs"]:
+        firsts = [l.split("first chunk routed ")[1].split(" ")[0]
+                  for l in log.splitlines() if "first chunk routed" in l]
+        # the "auto" model's router saw owner then known; the "auto-default"
+        # model's router saw not-worth; every "always" model one owner chunk
+        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 1, firsts
+        assert "'owner'" in firsts
+
+
 # ------------------------------------------------ routing (SGLANG_DSV41_OWNER_BROADCAST=auto)
 
 

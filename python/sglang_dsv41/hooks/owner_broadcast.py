@@ -360,7 +360,15 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         forward_batch.extend_seq_lens_cpu,
     )
     route = router.route(spans)
-    if logger.isEnabledFor(logging.DEBUG):
+    if router.routes[route] == 1 and route is not Route.NO_SPANS:
+        # Once per route and process: which paths this deployment actually takes.
+        logger.info(
+            "[sglang-dsv41] owner-broadcast: first chunk routed '%s' (%d image spans; routes so far %s)",
+            route.value,
+            len(spans),
+            {r.value: n for r, n in router.routes.items() if n},
+        )
+    elif logger.isEnabledFor(logging.DEBUG):
         logger.debug("[sglang-dsv41] owner-broadcast: %d image spans, route %s", len(spans), route.value)
     session = open_session(model, forward_batch) if route is Route.OWNER else None
     return ChunkRoute(route, spans, session)
