@@ -110,6 +110,8 @@ from typing import (
 import msgspec
 import torch
 
+from sglang_dsv41.core.owner_routing import owner_of
+
 logger = logging.getLogger(__name__)
 
 # (content hash, span length in tokens): the key sglang's per-image path uses
@@ -238,10 +240,6 @@ FLAG_BITS = 62  # cache flags carried exactly in the manifest round, as a bit ma
 
 # --------------------------------------------------------------------------
 # Pure helpers (unit-tested on their own)
-
-
-def owner_of(content_hash: int, world_size: int) -> int:
-    return content_hash % world_size
 
 
 def select_owner_group_kind(

@@ -244,6 +244,12 @@ class RoutingPolicy(msgspec.Struct, frozen=True):
         return cls(mode=mode, **costs)
 
 
+def owner_of(content_hash: int, world_size: int) -> int:
+    """The group rank that encodes a span: the protocol's plan and the
+    routing's estimate of each owner's share both use this one rule."""
+    return content_hash % world_size
+
+
 def encoder_saving(spans: Sequence[ChunkSpan], world_size: int, per_image_cost: int) -> int:
     """Encoder work (patch-equivalents) the owner path takes off the slowest
     rank: every rank encoding all ``spans``, against the busiest owner
@@ -252,7 +258,7 @@ def encoder_saving(spans: Sequence[ChunkSpan], world_size: int, per_image_cost: 
         return 0
     shares = [0] * world_size
     for span in spans:
-        shares[span.content_hash % world_size] += per_image_cost + span.patches
+        shares[owner_of(span.content_hash, world_size)] += per_image_cost + span.patches
     return sum(shares) - max(shares)
 
 
