@@ -16,6 +16,7 @@ process, for chunks of 1, 8 and 32 cached images:
   plugin   the same hooks, the model's router knowing every span (route
            ``known``): what a full hit costs with the plugin
   routing  route_chunk + the directory update alone, on the same batches
+  in place the same two calls timed inside the plugin chunks (CPU time)
 
 in blocks of ten chunks, timed in this thread's CPU time (time spent
 descheduled on a shared machine is left out), in phases: stock blocks, then
@@ -145,12 +146,24 @@ def main():
           "per variant (CPU time of this thread)")
     print(f"{'images':>6} {'stock us':>10} {'hooks us':>10} {'plugin us':>10} "
           f"{'added us':>9} {'plugin/stock':>12} {'routing us':>10} {'routing/stock':>13} "
-          f"{'stock spread':>12}")
+          f"{'in place us':>11} {'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images)
         model._bench_batch = make_batch
         batches = [make_batch() for _ in range(BLOCK)]
-        times = {"stock": [], "hooks": [], "plugin": [], "routing": []}
+        times = {"stock": [], "hooks": [], "plugin": [], "routing": [], "in_place": []}
+        in_place = [0.0]  # routing CPU time spent inside the current plugin block
+
+        def timed(fn):
+            """fn, adding its CPU time to in_place: the routing as it runs
+            inside a real chunk, between the rest of the chunk's code."""
+            def call(*args):
+                start = time.thread_time()
+                try:
+                    return fn(*args)
+                finally:
+                    in_place[0] += time.thread_time() - start
+            return call
 
         # sglang's objects move to the permanent generation: a collection then
         # scans only what the chunks allocate, for stock and plugin alike.
@@ -165,9 +178,12 @@ def main():
                 for batch in batches:
                     model.mm_owner_router.completed(owner_broadcast.route_chunk(model, batch).spans)
             else:
+                in_place[0] = 0.0
                 for batch in batches:
                     model.prepare_language_model_inputs(input_ids, batch, None)
             times[variant].append((time.thread_time() - start) / BLOCK)
+            if variant == "plugin":
+                times["in_place"].append(in_place[0] / BLOCK)
 
         with torch.inference_mode():
             attach_router(model, args.world)
@@ -185,14 +201,22 @@ def main():
                         block("hooks")  # patches on, owner path off for this model
                     model.mm_owner_group = SimpleNamespace(world_size=args.world)
                     model.mm_owner_router = router
-                    for _ in range(args.rounds):
-                        block("plugin")
+                    real_route, real_completed = owner_broadcast.route_chunk, router.completed
+                    owner_broadcast.route_chunk = timed(real_route)
+                    router.completed = timed(real_completed)
+                    try:
+                        for _ in range(args.rounds):
+                            block("plugin")
+                    finally:
+                        owner_broadcast.route_chunk = real_route
+                        del router.completed  # back to the class's method
                     for _ in range(args.rounds):
                         block("routing")
         assert model.encoder_calls == 0
         assert router.routes[owner_broadcast.Route.KNOWN] >= 2 * args.rounds * BLOCK
-        stock, hooks, plugin, routing = (statistics.median(times[k]) * 1e6
-                                         for k in ("stock", "hooks", "plugin", "routing"))
+        stock, hooks, plugin, routing, placed = (
+            statistics.median(times[k]) * 1e6
+            for k in ("stock", "hooks", "plugin", "routing", "in_place"))
         # How far apart the phases of one variant land: differences smaller
         # than this are below what this machine can resolve.
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
@@ -200,7 +224,7 @@ def main():
         spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
         print(f"{images:>6} {stock:>10.1f} {hooks:>10.1f} "
               f"{plugin:>10.1f} {plugin - stock:>9.1f} {plugin / stock:>12.3f} {routing:>10.1f} "
-              f"{routing / stock:>13.3f} {spread:>12.2f}", flush=True)
+              f"{routing / stock:>13.3f} {placed:>11.1f} {spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":
