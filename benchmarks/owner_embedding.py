@@ -68,7 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, TorchDistributedGroup
-from sglang_dsv41.core.owner_routing import ChunkSpan, OwnerRouter, Route, RoutingPolicy, SpanDirectory
+from sglang_dsv41.core.owner_routing import (ChunkSpan, OwnerRouter, Route, RoutingPolicy, SpanDirectory,
+                                             owner_of)
 
 PRESETS = {
     # Sized like DeepSeek-V4.1's vision tower and hidden size.
@@ -449,7 +450,7 @@ def run_single_gpu(args):
                     routed_encode(router, None, requests, cache, encoder, args.hidden, dtype, device)
 
                 routed_stock = time_on(one_batch, device, args.iters)
-            shares = [[r for r in misses if r.content_hash % world == owner] for owner in range(world)]
+            shares = [[r for r in misses if owner_of(r.content_hash, world) == owner] for owner in range(world)]
             share_times = [time_on(lambda s=s: encoder(s), device, args.iters) if s else 0.0
                            for s in shares]
             # Every non-local span moves once, from its owner: with cold caches
