@@ -2,7 +2,8 @@
 
 A chunk whose images every rank already holds is served by stock sglang with
 cache lookups and assembly; with the plugin the chunk is first routed
-(``core.owner_routing``: spans from the batch metadata, a directory lookup,
+(``core.owner_routing``: the request's image table, built on its first chunk;
+the chunk's spans; a directory lookup unless the request is known already;
 the directory touched afterwards) and, routed ``known``, runs the same stock
 code with no collective. This script times
 ``DeepseekV4ForCausalLM.prepare_language_model_inputs`` (the real method, the
@@ -14,17 +15,25 @@ process, for chunks of 1, 8 and 32 cached images:
            hook wrappers), the owner path off for this model: the wrappers'
            own cost
   plugin   the same hooks, the model's router knowing every span (route
-           ``known``): what a full hit costs with the plugin
-  routing  route_chunk + the directory update alone, on the same batches
-  in place the same two calls timed inside the plugin chunks (CPU time)
+           ``known``), each chunk from a request the router has seen before
+           (its per-request table is reused: later chunks of a request, or a
+           request retried)
+  new req  the same, each chunk from a new request object holding the same
+           cached images (the table is built on the chunk: the first chunk
+           of a request whose images another request brought in)
+  routing  route_chunk alone (a known chunk needs nothing else), on the same batches
+           (seen requests) in a tight loop
+  in place the same two calls timed inside the plugin and new-req chunks
+           (CPU time)
 
 in blocks of ten chunks, timed in this thread's CPU time (time spent
 descheduled on a shared machine is left out), in phases: stock blocks, then
-with the patches in, hooks, plugin and routing blocks; the phases repeat, so
-drift over the run hits every variant. It prints the median per chunk,
-plugin - stock, plugin/stock, routing/stock, and the stock spread: how far
-apart the per-phase medians of stock itself land ((max - min) / median), the
-resolution of the end-to-end columns on this machine. The width is small on
+with the patches in, hooks, plugin, new-req and routing blocks; the phases
+repeat, so drift over the run hits every variant. It prints the median per
+chunk of each, the end-to-end ratios to stock, the in-place routing as a
+share of stock, and the stock spread: how far apart the per-phase medians of
+stock itself land ((max - min) / median), the resolution of the end-to-end
+columns on this machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
 is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
 7168-wide rows, which only adds to the stock side).
@@ -115,16 +124,18 @@ def build(images: int):
 
 
 def attach_router(model, world):
+    from sglang.srt.managers import mm_schedule
+
     from sglang_dsv41.core.owner_routing import OwnerRouter, RoutingPolicy, SpanDirectory
     from sglang_dsv41.hooks import owner_broadcast
 
     # The known route never touches the group: a stand-in names its size.
     model.mm_owner_group = SimpleNamespace(world_size=world)
-    model.mm_owner_router = OwnerRouter(world, RoutingPolicy(), SpanDirectory(0),
+    capacity = mm_schedule.embedding_cache.max_size  # the directory shadows the cache
+    model.mm_owner_router = OwnerRouter(world, RoutingPolicy(), SpanDirectory(capacity),
                                         WIDTH * model.image_start.element_size())
     batch = model._bench_batch()
-    chunk = owner_broadcast.route_chunk(model, batch)  # syncs capacity with the cache
-    model.mm_owner_router.completed(chunk.spans)
+    model.mm_owner_router.completed(owner_broadcast.route_chunk(model, batch).spans)
     assert owner_broadcast.route_chunk(model, batch).route.value == "known"
 
 
@@ -137,6 +148,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
     from sglang_dsv41.hooks import owner_broadcast
     from sglang_dsv41.testing import patches_installed
 
@@ -144,15 +157,17 @@ def main():
           f"CPU thread(s), width {WIDTH}, {span_tokens(GRID)} tokens per image, group of "
           f"{args.world}; median over {args.phases} x {args.rounds} blocks of {BLOCK} chunks "
           "per variant (CPU time of this thread)")
-    print(f"{'images':>6} {'stock us':>10} {'hooks us':>10} {'plugin us':>10} "
-          f"{'added us':>9} {'plugin/stock':>12} {'routing us':>10} {'routing/stock':>13} "
-          f"{'in place us':>11} {'stock spread':>12}")
+    print(f"{'images':>6} {'stock us':>9} {'hooks us':>9} {'plugin us':>9} {'plugin/stock':>12} "
+          f"{'new req us':>9} {'new req/stock':>13} {'routing us':>10} {'in place us':>11} "
+          f"{'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} {'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images)
         model._bench_batch = make_batch
         batches = [make_batch() for _ in range(BLOCK)]
-        times = {"stock": [], "hooks": [], "plugin": [], "routing": [], "in_place": []}
+        times = {key: [] for key in ("stock", "hooks", "plugin", "new_req", "routing",
+                                     "in_place", "in_place_new")}
         in_place = [0.0]  # routing CPU time spent inside the current plugin block
+        seen_request = batches[0].mm_inputs[0]
 
         def timed(fn):
             """fn, adding its CPU time to in_place: the routing as it runs
@@ -173,10 +188,16 @@ def main():
         def block(variant):
             for batch in batches:
                 batch.mm_input_embeds = None
+                if variant == "new_req":  # a new request object with the same items
+                    batch.mm_inputs = [MultimodalInputs(mm_items=list(seen_request.mm_items),
+                                                        im_token_id=IMAGE_TOKEN_ID)]
+                else:
+                    batch.mm_inputs = [seen_request]
+            gc.collect()  # the previous block's requests go (their tables with them) untimed
             start = time.thread_time()  # CPU time of this thread: a shared VM's
             if variant == "routing":        # preemptions do not count
-                for batch in batches:
-                    model.mm_owner_router.completed(owner_broadcast.route_chunk(model, batch).spans)
+                for batch in batches:  # a known chunk is routed and nothing else
+                    owner_broadcast.route_chunk(model, batch)
             else:
                 in_place[0] = 0.0
                 for batch in batches:
@@ -184,6 +205,8 @@ def main():
             times[variant].append((time.thread_time() - start) / BLOCK)
             if variant == "plugin":
                 times["in_place"].append(in_place[0] / BLOCK)
+            elif variant == "new_req":
+                times["in_place_new"].append(in_place[0] / BLOCK)
 
         with torch.inference_mode():
             attach_router(model, args.world)
@@ -207,24 +230,27 @@ def main():
                     try:
                         for _ in range(args.rounds):
                             block("plugin")
+                        for _ in range(args.rounds):
+                            block("new_req")
                     finally:
                         owner_broadcast.route_chunk = real_route
                         del router.completed  # back to the class's method
                     for _ in range(args.rounds):
                         block("routing")
         assert model.encoder_calls == 0
-        assert router.routes[owner_broadcast.Route.KNOWN] >= 2 * args.rounds * BLOCK
-        stock, hooks, plugin, routing, placed = (
+        assert router.routes[owner_broadcast.Route.KNOWN] >= 3 * args.rounds * BLOCK
+        stock, hooks, plugin, new_req, routing, placed, placed_new = (
             statistics.median(times[k]) * 1e6
-            for k in ("stock", "hooks", "plugin", "routing", "in_place"))
+            for k in ("stock", "hooks", "plugin", "new_req", "routing", "in_place", "in_place_new"))
         # How far apart the phases of one variant land: differences smaller
         # than this are below what this machine can resolve.
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
                          for i in range(0, len(times["stock"]), args.rounds)]
         spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
-        print(f"{images:>6} {stock:>10.1f} {hooks:>10.1f} "
-              f"{plugin:>10.1f} {plugin - stock:>9.1f} {plugin / stock:>12.3f} {routing:>10.1f} "
-              f"{routing / stock:>13.3f} {placed:>11.1f} {spread:>12.2f}", flush=True)
+        print(f"{images:>6} {stock:>9.1f} {hooks:>9.1f} "
+              f"{plugin:>9.1f} {plugin / stock:>12.3f} {new_req:>9.1f} {new_req / stock:>13.3f} "
+              f"{routing:>10.1f} {placed:>11.1f} {placed_new:>12.1f} {placed / stock:>13.3f} "
+              f"{placed_new / stock:>14.3f} {spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

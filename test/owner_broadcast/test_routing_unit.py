@@ -6,9 +6,13 @@ equal on every rank) is in test_gloo_group.py and test_adapters.py.
 
 from __future__ import annotations
 
+import gc
 import random
+from collections import OrderedDict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_dsv41.core.owner_routing import (
     DEFAULT_MIN_SAVING,
@@ -19,11 +23,14 @@ from sglang_dsv41.core.owner_routing import (
     ChunkSpan,
     ItemMeta,
     OwnerRouter,
+    RequestImages,
+    RequestMemo,
     Route,
     RoutingPolicy,
     SpanDirectory,
     chunk_spans,
     encoder_saving,
+    gather_spans,
 )
 
 
@@ -221,3 +228,155 @@ def test_always_mode_sends_every_chunk_with_spans_to_the_protocol():
     r.completed(one)
     assert r.route(one) is Route.OWNER
     assert r.route([]) is Route.NO_SPANS
+
+
+# ------------------------------------------------ per-request tables, fast path
+
+
+def reference_spans(requests, prefix_lens, seq_lens):
+    """The rules of sglang's per-image path, written out item by item with no
+    precomputation: what the tables must reproduce on every chunk."""
+    if any(item.precomputed for items in requests for item in items):
+        return []
+    found = {}
+    for index, items in enumerate(requests):
+        if index >= len(prefix_lens) or not items:
+            continue
+        extend = seq_lens[index] if index < len(seq_lens) else 0
+        if extend <= 0 or any(len(item.offsets) != 1 for item in items):
+            continue
+        lo, hi = prefix_lens[index], prefix_lens[index] + extend
+        for item in items:
+            (start, end), = item.offsets
+            if end >= lo and start < hi:
+                found.setdefault((item.content_hash, end - start + 1),
+                                 ChunkSpan(item.content_hash, end - start + 1, item.grid))
+    return list(found.values())
+
+
+item_strategy = st.builds(
+    lambda start, length, runs, content_hash, grid, precomputed: ItemMeta(
+        offsets=[(start + 20 * r, start + 20 * r + length - 1) for r in range(runs)],
+        precomputed=precomputed,
+        content_hash=content_hash,
+        grid=grid,
+    ),
+    st.integers(0, 60),
+    st.integers(1, 12),
+    st.sampled_from([1, 1, 1, 1, 1, 1, 2, 0]),
+    st.sampled_from([None, 0, 1, 2, 3, 5, 8]),
+    st.sampled_from([(), (2, 2), (3, 4)]),
+    st.sampled_from([False] * 12 + [True]),
+)
+batch_strategy = st.lists(st.lists(item_strategy, max_size=5), max_size=4).flatmap(
+    lambda requests: st.tuples(
+        st.just(requests),
+        st.lists(st.integers(0, 70), min_size=max(len(requests) - 1, 0), max_size=len(requests)),
+        st.lists(st.integers(-1, 40), min_size=max(len(requests) - 1, 0), max_size=len(requests)),
+    )
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(batch_strategy)
+def test_tables_find_the_spans_the_item_by_item_rules_find(batch):
+    requests, prefix_lens, seq_lens = batch
+    expected = reference_spans(requests, prefix_lens, seq_lens)
+    assert chunk_spans(requests, prefix_lens, seq_lens) == expected
+    # the same tables asked again (a later chunk reuses them) answer the same
+    tables = [RequestImages(items) if items else None for items in requests]
+    for _ in range(2):
+        spans, contributors = gather_spans(tables, prefix_lens, seq_lens)
+        assert spans == expected
+        assert all(table in tables for table in contributors)
+
+
+pool_strategy = st.lists(st.lists(item_strategy, min_size=1, max_size=4), min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pool_strategy, st.data(), st.integers(5, 60))
+def test_cached_known_routes_match_routing_from_scratch(pool, data, capacity):
+    """A router that keeps per-request tables (and their known epochs) across
+    chunks routes every chunk as a router that recomputes everything, while
+    a small directory evicts; the directories stay equal. Requests come from
+    a small pool, so they recur, chunked at different points."""
+    cached = OwnerRouter(2, RoutingPolicy(per_image_cost=1, min_saving=1), SpanDirectory(capacity), 1)
+    fresh = OwnerRouter(2, RoutingPolicy(per_image_cost=1, min_saving=1), SpanDirectory(capacity), 1)
+    tables = [RequestImages(items) for items in pool]  # one table per request, kept
+    for _ in range(data.draw(st.integers(1, 30), label="chunks")):
+        picked = data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=3))
+        prefix_lens = data.draw(st.lists(st.integers(0, 70), min_size=len(picked), max_size=len(picked)))
+        seq_lens = data.draw(st.lists(st.integers(0, 40), min_size=len(picked), max_size=len(picked)))
+        requests = [pool[i] for i in picked]
+        route, spans = cached.route_requests([tables[i] for i in picked], prefix_lens, seq_lens)
+        expected_spans = reference_spans(requests, prefix_lens, seq_lens)
+        assert spans == expected_spans
+        assert route is fresh.route(expected_spans)
+        cached.completed(spans)
+        fresh.completed(expected_spans)
+        assert cached.directory.digest() == fresh.directory.digest()
+    assert cached.routes == fresh.routes
+
+
+def test_known_requests_skip_lookups_until_the_directory_evicts():
+    r = OwnerRouter(2, RoutingPolicy(per_image_cost=1, min_saving=1), SpanDirectory(100), 1)
+    a = RequestImages([meta(0, 9, content_hash=1), meta(10, 19, content_hash=2)])
+    b = RequestImages([meta(0, 9, content_hash=3)])
+    assert r.route_requests([a], [0], [20])[0] is Route.OWNER
+    r.completed(list(a.spans))
+    assert a.known_epoch == -1  # learned on the next chunk, not assumed
+    assert r.route_requests([a], [0], [20])[0] is Route.KNOWN
+    assert a.known_epoch == r.directory.epoch == 0
+    # a chunk of the first image only: known without a lookup per span
+    lookups = []
+
+    class CountedEntries(OrderedDict):
+        def __contains__(self, key):
+            lookups.append(key)
+            return super().__contains__(key)
+
+    r.directory._entries = CountedEntries(r.directory._entries)
+    assert r.route_requests([a], [0], [5]) == (Route.KNOWN, [ChunkSpan(1, 10, (4, 4))])
+    assert lookups == []
+    # ...and the span it used is now the most recently used
+    assert list(r.directory._entries)[-1] == ChunkSpan(1, 10, (4, 4))
+    # an eviction moves the epoch: the next chunk of `a` looks again
+    r.completed(list(b.spans) * 9 + [ChunkSpan(4, 90, ())])
+    assert r.directory.epoch == 1 and ChunkSpan(1, 10, (4, 4)) not in r.directory
+    assert r.route_requests([a], [0], [20])[0] is not Route.KNOWN
+
+
+def test_a_request_known_only_in_part_is_not_remembered_as_known():
+    r = OwnerRouter(2, RoutingPolicy(per_image_cost=1, min_saving=1), SpanDirectory(1000), 1)
+    request = RequestImages([meta(0, 9, content_hash=1), meta(30, 39, content_hash=2)])
+    r.completed([ChunkSpan(1, 10, (4, 4))])
+    # first chunk covers the known image only
+    assert r.route_requests([request], [0], [20])[0] is Route.KNOWN
+    assert request.known_epoch == -1
+    # the next chunk reaches the cold image: not served from the cache
+    assert r.route_requests([request], [20], [20])[0] is Route.NOT_WORTH
+
+
+def test_request_memo_holds_weakly_and_checks_identity():
+    class Request:  # stands for sglang's MultimodalInputs
+        pass
+
+    memo = RequestMemo()
+    first, second = Request(), Request()
+    memo.put(first, "table-1")
+    assert memo.get(first) == "table-1" and memo.get(second) is None
+    del first
+    gc.collect()
+    assert len(memo) == 0  # dropped with its request
+    # a recycled id never returns another object's table
+    objects = [Request() for _ in range(200)]
+    for index, obj in enumerate(objects):
+        memo.put(obj, index)
+    ids = {id(obj): index for index, obj in enumerate(objects)}
+    del objects, obj
+    gc.collect()
+    assert len(memo) == 0
+    reused = [Request() for _ in range(200)]
+    assert any(id(obj) in ids for obj in reused)  # CPython hands the addresses out again
+    assert all(memo.get(obj) is None for obj in reused)

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import weakref
 from collections import OrderedDict
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import msgspec
 
@@ -103,49 +104,167 @@ class ItemMeta(NamedTuple):
     grid: Tuple[int, ...] = ()
 
 
-def chunk_spans(
-    requests: Sequence[Sequence[ItemMeta]],
+class RequestImages:
+    """One request's image items in the form the routing reads on every chunk,
+    built once per request: the scheduler's metadata for a request (offsets,
+    content hashes, grids) is fixed once the request is scheduled, so chunks
+    after the first cost a lookup instead of a pass over every item.
+
+    ``known_epoch`` caches "every span of this request was in the directory"
+    together with the directory's eviction epoch at which that held: until the
+    directory evicts anything, it still holds, and a chunk of this request
+    routes ``known`` without a lookup per span.
+    """
+
+    __slots__ = ("precomputed", "items", "spans", "max_start", "min_end", "known_epoch", "source")
+
+    def __init__(self, items: Iterable[ItemMeta], source: object = None):
+        # ``source``: what the table was built from, for the caller to check
+        # that it is still the same (the scheduler's item list).
+        self.source = source
+        self.known_epoch = -1
+        # One pass: this runs on the first chunk of every image request.
+        precomputed = multi_run = False
+        rows = []
+        first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+        max_start, min_end = 0, None
+        for offsets, item_precomputed, content_hash, grid in items:
+            if item_precomputed:
+                precomputed = True
+            if multi_run:
+                continue
+            if len(offsets) != 1:
+                multi_run = True  # the whole request takes another path
+                continue
+            (start, end), = offsets
+            span_len = end - start + 1
+            span = _new_tuple(ChunkSpan, (content_hash, span_len, grid))
+            rows.append((start, end, span))
+            dedup = (content_hash, span_len)
+            if dedup not in first:
+                first[dedup] = span
+            if start > max_start:
+                max_start = start
+            if min_end is None or end < min_end:
+                min_end = end
+        self.precomputed = precomputed
+        if multi_run:
+            rows, first = [], {}
+        self.items = tuple(rows)
+        self.spans = tuple(first.values())
+        self.max_start = max_start
+        self.min_end = 0 if min_end is None else min_end
+
+    def spans_in(self, chunk_start: int, chunk_end: int) -> Sequence[ChunkSpan]:
+        """The distinct spans overlapping tokens [chunk_start, chunk_end) in
+        first-seen order (item offsets are inclusive)."""
+        if self.min_end >= chunk_start and self.max_start < chunk_end:
+            return self.spans  # the chunk overlaps every item
+        return _first_per_hash_and_length(
+            span for start, end, span in self.items if end >= chunk_start and start < chunk_end
+        )
+
+
+def _first_per_hash_and_length(spans: Iterable[ChunkSpan]) -> List[ChunkSpan]:
+    """sglang's per-image path treats items with one content hash and span
+    length as one span; the first one seen stands for them."""
+    first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+    for span in spans:
+        dedup = (span[0], span[1])
+        if dedup not in first:
+            first[dedup] = span
+    return list(first.values())
+
+
+def gather_spans(
+    requests: Sequence[Optional[RequestImages]],
     extend_prefix_lens: Sequence[int],
     extend_seq_lens: Sequence[int],
-) -> List[ChunkSpan]:
+) -> Tuple[List[ChunkSpan], List[RequestImages]]:
     """The distinct spans sglang's per-image path will find in this chunk, in
     first-seen order, deduplicated by (content hash, span length) as that path
-    does.
+    does, and the requests that contributed them.
 
     Mirrors the scheduling code: items with precomputed embeddings send the
     whole batch another way, a request whose items have several runs takes the
     whole-request path, and an item counts only when its span overlaps the
     tokens this chunk extends.
     """
-    spans: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+    for table in requests:
+        if table is not None and table.precomputed:
+            return [], []  # one precomputed item sends the whole batch another way
     n_prefix, n_extend = len(extend_prefix_lens), len(extend_seq_lens)
-    for index, items in enumerate(requests):
-        if not items:
-            continue
-        for item in items:
-            if item.precomputed:
-                return []  # one precomputed item sends the whole batch another way
-        if index >= n_prefix:
+    parts = []
+    contributors = []
+    for index, table in enumerate(requests):
+        if table is None or not table.items or index >= n_prefix:
             continue
         extend_len = extend_seq_lens[index] if index < n_extend else 0
         if extend_len <= 0:
             continue
         chunk_start = extend_prefix_lens[index]
-        chunk_end = chunk_start + extend_len  # exclusive; offsets are inclusive
-        overlapping = []
-        for item in items:
-            offsets = item.offsets
-            if len(offsets) != 1:
-                overlapping = None  # the whole-request path takes this request
-                break
-            start, end = offsets[0]
-            if end >= chunk_start and start < chunk_end:
-                overlapping.append((item, end - start + 1))
-        for item, span_len in overlapping or ():
-            dedup = (item.content_hash, span_len)
-            if dedup not in spans:
-                spans[dedup] = _new_tuple(ChunkSpan, (item.content_hash, span_len, item.grid))
-    return list(spans.values())
+        found = table.spans_in(chunk_start, chunk_start + extend_len)
+        if found:
+            parts.append(found)
+            contributors.append(table)
+    if len(parts) == 1:
+        return list(parts[0]), contributors
+    return _first_per_hash_and_length(span for found in parts for span in found), contributors
+
+
+def chunk_spans(
+    requests: Sequence[Sequence[ItemMeta]],
+    extend_prefix_lens: Sequence[int],
+    extend_seq_lens: Sequence[int],
+) -> List[ChunkSpan]:
+    """``gather_spans`` for requests given as item lists (built afresh)."""
+    tables = [RequestImages(items) if items else None for items in requests]
+    return gather_spans(tables, extend_prefix_lens, extend_seq_lens)[0]
+
+
+class _KeyedRef(weakref.ref):
+    """A weak reference that knows its memo key (no closure per entry)."""
+
+    __slots__ = ("key",)
+
+    def __new__(cls, obj, callback, key):
+        ref = super().__new__(cls, obj, callback)
+        ref.key = key
+        return ref
+
+    def __init__(self, obj, callback, key):
+        super().__init__(obj, callback)
+
+
+class RequestMemo:
+    """A value per live object, found by identity: tables of the requests the
+    router has seen, dropped when the scheduler drops the request. Objects
+    are held weakly (a request's images must not outlive it here) and checked
+    by identity, so a recycled ``id`` never returns another request's table."""
+
+    def __init__(self):
+        self._entries: Dict[int, Tuple[_KeyedRef, object]] = {}
+        entries = self._entries
+
+        def forget(ref, entries=entries):
+            current = entries.get(ref.key)
+            if current is not None and current[0] is ref:
+                del entries[ref.key]
+
+        self._forget = forget
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, obj) -> object:
+        entry = self._entries.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return entry[1]
+        return None
+
+    def put(self, obj, value) -> None:
+        key = id(obj)
+        self._entries[key] = (_KeyedRef(obj, self._forget, key), value)
 
 
 class SpanDirectory:
@@ -161,6 +280,10 @@ class SpanDirectory:
         self.capacity_bytes = max(int(capacity_bytes), 0)
         self._entries: "OrderedDict[DirectoryKey, int]" = OrderedDict()
         self.bytes = 0
+        # Advances whenever an entry leaves. Entries only leave by eviction, so
+        # a set of spans found known at epoch E is still known while the epoch
+        # is E (what RequestImages.known_epoch relies on).
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -174,6 +297,13 @@ class SpanDirectory:
             if span not in entries:
                 return False
         return True
+
+    def touch(self, spans: Sequence[ChunkSpan]) -> None:
+        """Mark spans the directory holds as just used, in order (what the
+        embedding cache's lookups do to its own LRU order)."""
+        touch = self._entries.move_to_end
+        for span in spans:
+            touch(span)
 
     def record(self, spans: Sequence[ChunkSpan], row_bytes: int) -> None:
         """The group completed these spans (in this order; a span of n tokens
@@ -190,9 +320,11 @@ class SpanDirectory:
                 continue  # never cached under a hash, or too big for the cache
             entries[span] = size
             self.bytes += size
-        while self.bytes > self.capacity_bytes and entries:
-            _key, size = entries.popitem(last=False)
-            self.bytes -= size
+        if self.bytes > self.capacity_bytes and entries:
+            self.epoch += 1
+            while self.bytes > self.capacity_bytes and entries:
+                _key, size = entries.popitem(last=False)
+                self.bytes -= size
 
     def digest(self) -> str:
         """A short fingerprint of the contents and their order (diagnostics
@@ -275,11 +407,49 @@ class OwnerRouter:
         self.directory = directory
         self.routes: Dict[Route, int] = {route: 0 for route in Route}
         self._always = policy.mode == "always"
+        # Per scheduled request, its RequestImages (known_epoch refers to this
+        # router's directory, so the tables are this router's own).
+        self.requests = RequestMemo()
 
     def route(self, spans: Sequence[ChunkSpan]) -> Route:
+        """The route of a chunk with these spans. A ``known`` chunk touches
+        its spans here, as the cache's lookups will (the chunk needs no
+        ``completed``; calling it anyway changes nothing)."""
         route = self._route(spans)
         self.routes[route] += 1
+        if route is Route.KNOWN:
+            self.directory.touch(spans)
         return route
+
+    def route_requests(
+        self,
+        requests: Sequence[Optional[RequestImages]],
+        extend_prefix_lens: Sequence[int],
+        extend_seq_lens: Sequence[int],
+    ) -> Tuple[Route, List[ChunkSpan]]:
+        """Route a chunk given per request tables (None: no image items):
+        the same route as ``route(gather_spans(...))``, without a lookup per
+        span while the contributing requests are known and nothing left the
+        directory since."""
+        spans, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
+        epoch = self.directory.epoch
+        if spans and not self._always:
+            for table in contributors:
+                if table.known_epoch != epoch:
+                    break
+            else:
+                self.routes[Route.KNOWN] += 1
+                self.directory.touch(spans)
+                return Route.KNOWN, spans
+        route = self.route(spans)
+        if route is Route.KNOWN:
+            # Remember requests whose every span (not only this chunk's) is
+            # known: their next chunks skip the lookups.
+            entries = self.directory._entries
+            for table in contributors:
+                if all(span in entries for span in table.spans):
+                    table.known_epoch = epoch
+        return route, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:
         if not spans:
@@ -289,7 +459,7 @@ class OwnerRouter:
         known = self.directory._entries
         cold = []
         for span in spans:
-            if span.content_hash is None:
+            if span[0] is None:
                 # Hashless spans go to the protocol, which rejects them on every rank.
                 return Route.OWNER
             if span not in known:

@@ -39,10 +39,10 @@ from sglang_dsv41.core.owner_routing import (
     ChunkSpan,
     ItemMeta,
     OwnerRouter,
+    RequestImages,
     Route,
     RoutingPolicy,
     SpanDirectory,
-    chunk_spans,
 )
 
 logger = logging.getLogger(__name__)
@@ -245,16 +245,13 @@ def after_model_init(result, model, *args, **kwargs):
 # Session (OWN-FENCE)
 
 
-def _batch_has_images(model, forward_batch) -> bool:
-    """The condition under which the model's input preparation embeds images."""
+def _batch_may_have_images(model, forward_batch) -> bool:
+    """The condition under which the model's input preparation embeds images
+    (less the any-request-has-images test, which _request_tables answers)."""
+    if forward_batch.mm_inputs is None or getattr(model, "vision", None) is None:
+        return False
     mode = forward_batch.forward_mode
-    return (
-        getattr(model, "vision", None) is not None
-        and not mode.is_decode()
-        and not mode.is_target_verify()
-        and forward_batch.mm_inputs is not None
-        and any(mm_input is not None for mm_input in forward_batch.mm_inputs)
-    )
+    return not mode.is_decode() and not mode.is_target_verify()
 
 
 _IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
@@ -271,9 +268,7 @@ def _item_grid(item) -> tuple:
         return ()
 
 
-def _image_item_meta(forward_batch) -> List[List[ItemMeta]]:
-    """Per request, its image items as routing metadata (one pass; this runs
-    on every image chunk, full hits included)."""
+def _request_images(mm_input) -> RequestImages:
     global _IMAGE
     if _IMAGE is None:
         from sglang.srt.managers.schedule_batch import Modality
@@ -281,27 +276,46 @@ def _image_item_meta(forward_batch) -> List[List[ItemMeta]]:
         _IMAGE = Modality.IMAGE
     image = _IMAGE
     new_meta = tuple.__new__  # an ItemMeta without its Python-level __new__
-    metas = []
+    items = mm_input.mm_items
+    return RequestImages(
+        [
+            new_meta(
+                ItemMeta,
+                (
+                    item.offsets or (),
+                    item.precomputed_embeddings is not None,
+                    item.hash,
+                    _item_grid(item),
+                ),
+            )
+            for item in items
+            if item is not None and item.modality == image
+        ],
+        source=(items, len(items)),
+    )
+
+
+def _request_tables(router: OwnerRouter, forward_batch) -> Optional[List[Optional[RequestImages]]]:
+    """Per request of the batch, its image table (None: a text request), or
+    None when no request carries multimodal inputs. A request's table is
+    built on its first chunk and reused while its item list is the same
+    object of the same length."""
+    memo = router.requests
+    tables: List[Optional[RequestImages]] = []
+    any_inputs = False
     for mm_input in forward_batch.mm_inputs:
         if mm_input is None:
-            metas.append([])
+            tables.append(None)
             continue
-        metas.append(
-            [
-                new_meta(
-                    ItemMeta,
-                    (
-                        item.offsets or (),
-                        item.precomputed_embeddings is not None,
-                        item.hash,
-                        _item_grid(item),
-                    ),
-                )
-                for item in mm_input.mm_items
-                if item is not None and item.modality == image
-            ]
-        )
-    return metas
+        any_inputs = True
+        table = memo.get(mm_input)
+        if table is None or table.source[0] is not mm_input.mm_items or table.source[1] != len(
+            mm_input.mm_items
+        ):
+            table = _request_images(mm_input)
+            memo.put(mm_input, table)
+        tables.append(table)
+    return tables if any_inputs else None
 
 
 def image_span_geometry(config, item, span_len: int):
@@ -338,7 +352,8 @@ def _mm_schedule():
 
 def _sync_directory_capacity(router: OwnerRouter) -> None:
     """The directory shadows the embedding cache: the same byte budget, read
-    from the cache every rank built from the same setting."""
+    from the cache every rank built from the same setting. Read where spans
+    are recorded: only recording can overfill the directory."""
     cache = _mm_schedule().embedding_cache
     capacity = int(getattr(cache, "max_size", 0) or 0) if cache is not None else 0
     if capacity != router.directory.capacity_bytes:
@@ -351,15 +366,14 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
     group (it reads only batch metadata, settings and the directory)."""
     group = getattr(model, "mm_owner_group", None)
     router = getattr(model, "mm_owner_router", None)
-    if group is None or router is None or not _batch_has_images(model, forward_batch):
+    if group is None or router is None or not _batch_may_have_images(model, forward_batch):
         return None
-    _sync_directory_capacity(router)
-    spans = chunk_spans(
-        _image_item_meta(forward_batch),
-        forward_batch.extend_prefix_lens_cpu,
-        forward_batch.extend_seq_lens_cpu,
+    tables = _request_tables(router, forward_batch)
+    if tables is None:
+        return None
+    route, spans = router.route_requests(
+        tables, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
     )
-    route = router.route(spans)
     if router.routes[route] == 1 and route is not Route.NO_SPANS:
         # Once per route and process: which paths this deployment actually takes.
         logger.info(
@@ -401,10 +415,13 @@ def around_prepare_language_model_inputs(original, model, input_ids, forward_bat
                 result = original(model, input_ids, forward_batch, *args, **kwargs)
     finally:
         _active_chunk.reset(token)
-    if chunk is not None and chunk.spans:
+    if chunk is not None and chunk.spans and chunk.route is not Route.KNOWN:
         # Reached on every rank or (after an agreed error) on none; a local
         # error on a stock route takes the scheduler down, directory and all.
-        model.mm_owner_router.completed(chunk.spans)
+        # (A known chunk adds nothing: routing touched its spans already.)
+        router = model.mm_owner_router
+        _sync_directory_capacity(router)
+        router.completed(chunk.spans)
     return result
 
 

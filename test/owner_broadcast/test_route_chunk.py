@@ -1,0 +1,129 @@
+"""route_chunk over sglang 0.5.23's real batch objects, one process.
+
+The routing keeps one table per scheduled request (built on its first chunk)
+instead of reading every item on every chunk. These tests pin what that
+must not change: the spans and route of each chunk follow the request's
+items as sglang holds them, a replaced item list is read afresh, and the
+tables leave with their requests. Multi-rank agreement of the routes is in
+test_adapters.py and test_gloo_group.py.
+"""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.managers.schedule_batch")
+
+from sglang.srt.managers import mm_schedule  # noqa: E402
+from sglang.srt.managers.schedule_batch import (  # noqa: E402
+    Modality,
+    MultimodalDataItem,
+    MultimodalInputs,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sglang_dsv41.core.owner_routing import (  # noqa: E402
+    ChunkSpan,
+    OwnerRouter,
+    Route,
+    RoutingPolicy,
+    SpanDirectory,
+)
+from sglang_dsv41.hooks import owner_broadcast  # noqa: E402
+
+
+def image(content_hash, start, length, grid=(4, 4)):
+    item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(2, 2),
+                              offsets=[(start, start + length - 1)])
+    item.set_hash(content_hash)
+    item.model_specific_data.update(n_vit_h=grid[0], n_vit_w=grid[1])
+    return item
+
+
+@pytest.fixture
+def model():
+    mm_schedule.init_mm_embedding_cache(1 << 20)
+    # A saving no chunk here reaches: the routes taken (known, not-worth, no
+    # spans) never touch the group, which a stand-in names.
+    return SimpleNamespace(
+        vision=object(),
+        mm_owner_group=SimpleNamespace(world_size=2),
+        mm_owner_router=OwnerRouter(2, RoutingPolicy(min_saving=10**9), SpanDirectory(0), row_bytes=4),
+    )
+
+
+def batch(requests, mode=ForwardMode.EXTEND):
+    return SimpleNamespace(
+        forward_mode=mode,
+        mm_inputs=[mm for mm, _prefix, _extend in requests],
+        extend_prefix_lens_cpu=[prefix for _mm, prefix, _extend in requests],
+        extend_seq_lens_cpu=[extend for _mm, _prefix, extend in requests],
+        rids=[f"r{i}" for i in range(len(requests))],
+    )
+
+
+def route(model, *requests):
+    """One input preparation through the real OWN-FENCE adapter (routing
+    before, the directory updated after), with stock's body stubbed out."""
+    seen = []
+
+    def prepare(model, input_ids, forward_batch, *args):
+        seen.append(owner_broadcast.active_chunk())
+
+    owner_broadcast.around_prepare_language_model_inputs(prepare, model, None, batch(list(requests)))
+    return seen[0]
+
+
+def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
+    mm = MultimodalInputs(mm_items=[image(11, 2, 10), image(22, 20, 6, (2, 3))], im_token_id=99)
+    router = model.mm_owner_router
+
+    first = route(model, (mm, 0, 15))  # tokens 0..14: the first image only
+    assert first.route is Route.NOT_WORTH  # cold: stock encode
+    assert first.spans == [ChunkSpan(11, 10, (4, 4))]
+    table = router.requests.get(mm)
+    assert table is not None
+
+    second = route(model, (mm, 15, 15))  # tokens 15..29: the second image
+    assert second.spans == [ChunkSpan(22, 6, (2, 3))] and second.route is Route.NOT_WORTH
+    assert router.requests.get(mm) is table  # built once for the request
+
+    again = route(model, (mm, 0, 30))  # the whole prompt again: both recorded
+    assert again.route is Route.KNOWN and len(again.spans) == 2
+    assert table.known_epoch == router.directory.epoch  # next chunks skip the lookups
+    assert route(model, (mm, 0, 30)).route is Route.KNOWN
+    # the directory shadows the cache's byte budget, read when spans are recorded
+    assert router.directory.capacity_bytes == mm_schedule.embedding_cache.max_size
+
+
+def test_a_replaced_item_list_is_read_afresh(model):
+    mm = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
+    assert route(model, (mm, 0, 30)).spans == [ChunkSpan(11, 10, (4, 4))]
+    mm.mm_items = [image(33, 2, 10)]
+    assert route(model, (mm, 0, 30)).spans == [ChunkSpan(33, 10, (4, 4))]
+    # the same list object grown in place is read afresh too
+    mm.mm_items.append(image(44, 14, 4))
+    spans = route(model, (mm, 0, 30)).spans
+    assert [span.content_hash for span in spans] == [33, 44]
+
+
+def test_text_and_decode_batches_are_not_routed(model):
+    mm = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
+    assert route(model, (None, 0, 8)) is None
+    assert owner_broadcast.route_chunk(model, batch([(mm, 0, 1)], ForwardMode.DECODE)) is None
+    # an image request whose chunk holds only text: routed, with no span
+    assert route(model, (None, 0, 4), (mm, 12, 6)).route is Route.NO_SPANS
+
+
+def test_tables_leave_with_their_requests(model):
+    router = model.mm_owner_router
+    requests = [MultimodalInputs(mm_items=[image(100 + i, 0, 8)], im_token_id=99) for i in range(5)]
+    route(model, *[(mm, 0, 8) for mm in requests])
+    assert len(router.requests) == 5
+    del requests
+    gc.collect()
+    assert len(router.requests) == 0
