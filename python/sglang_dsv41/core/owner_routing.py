@@ -222,20 +222,6 @@ def chunk_spans(
     return gather_spans(tables, extend_prefix_lens, extend_seq_lens)[0]
 
 
-class _KeyedRef(weakref.ref):
-    """A weak reference that knows its memo key (no closure per entry)."""
-
-    __slots__ = ("key",)
-
-    def __new__(cls, obj, callback, key):
-        ref = super().__new__(cls, obj, callback)
-        ref.key = key
-        return ref
-
-    def __init__(self, obj, callback, key):
-        super().__init__(obj, callback)
-
-
 class RequestMemo:
     """A value per live object, found by identity: tables of the requests the
     router has seen, dropped when the scheduler drops the request. Objects
@@ -243,15 +229,16 @@ class RequestMemo:
     by identity, so a recycled ``id`` never returns another request's table."""
 
     def __init__(self):
-        self._entries: Dict[int, Tuple[_KeyedRef, object]] = {}
-        entries = self._entries
+        entries: Dict[int, Tuple["weakref.ref", object]] = {}
+        keys_of_refs: Dict[int, int] = {}  # id(weak reference) -> entry key
 
-        def forget(ref, entries=entries):
-            current = entries.get(ref.key)
-            if current is not None and current[0] is ref:
-                del entries[ref.key]
+        def forget(ref):
+            key = keys_of_refs.pop(id(ref), None)
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
 
-        self._forget = forget
+        self._entries, self._keys_of_refs, self._forget = entries, keys_of_refs, forget
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -264,7 +251,12 @@ class RequestMemo:
 
     def put(self, obj, value) -> None:
         key = id(obj)
-        self._entries[key] = (_KeyedRef(obj, self._forget, key), value)
+        previous = self._entries.get(key)
+        if previous is not None:  # a rebuilt table for a live object
+            self._keys_of_refs.pop(id(previous[0]), None)
+        ref = weakref.ref(obj, self._forget)
+        self._entries[key] = (ref, value)
+        self._keys_of_refs[id(ref)] = key
 
 
 class SpanDirectory:

@@ -37,7 +37,6 @@ from sglang_dsv41.core.owner_embedding import (
 from sglang_dsv41.core.owner_routing import (
     ENV_MODE,
     ChunkSpan,
-    ItemMeta,
     OwnerRouter,
     RequestImages,
     Route,
@@ -260,7 +259,7 @@ _IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
 def _item_grid(item) -> tuple:
     data = item.model_specific_data
     height, width = data.get("n_vit_h"), data.get("n_vit_w")
-    if type(height) is int and type(width) is int:
+    if height.__class__ is int and width.__class__ is int:
         return (height, width)
     try:
         return (int(height), int(width))
@@ -275,22 +274,15 @@ def _request_images(mm_input) -> RequestImages:
 
         _IMAGE = Modality.IMAGE
     image = _IMAGE
-    new_meta = tuple.__new__  # an ItemMeta without its Python-level __new__
     items = mm_input.mm_items
+    # (offsets, precomputed, content hash, ViT grid): the fields of the core's
+    # ItemMeta, as plain tuples (this runs on the first chunk of every image request).
     return RequestImages(
-        [
-            new_meta(
-                ItemMeta,
-                (
-                    item.offsets or (),
-                    item.precomputed_embeddings is not None,
-                    item.hash,
-                    _item_grid(item),
-                ),
-            )
+        (
+            (item.offsets or (), item.precomputed_embeddings is not None, item.hash, _item_grid(item))
             for item in items
             if item is not None and item.modality == image
-        ],
+        ),
         source=(items, len(items)),
     )
 
