@@ -424,24 +424,23 @@ class OwnerRouter:
         span while the contributing requests are known and nothing left the
         directory since."""
         spans, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
+        if not spans or self._always:
+            return self.route(spans), spans
         epoch = self.directory.epoch
-        if spans and not self._always:
-            for table in contributors:
-                if table.known_epoch != epoch:
-                    break
-            else:
-                self.routes[Route.KNOWN] += 1
-                self.directory.touch(spans)
-                return Route.KNOWN, spans
-        route = self.route(spans)
-        if route is Route.KNOWN:
-            # Remember requests whose every span (not only this chunk's) is
-            # known: their next chunks skip the lookups.
-            entries = self.directory._entries
-            for table in contributors:
-                if all(span in entries for span in table.spans):
-                    table.known_epoch = epoch
-        return route, spans
+        entries = self.directory._entries
+        for table in contributors:
+            if table.known_epoch == epoch:
+                continue
+            # Look up every span of the request (not only this chunk's), so a
+            # request found known is remembered and its next chunks skip this.
+            for span in table.spans:
+                if span not in entries:
+                    # Not all known: route this chunk's spans one by one.
+                    return self.route(spans), spans
+            table.known_epoch = epoch
+        self.routes[Route.KNOWN] += 1
+        self.directory.touch(spans)
+        return Route.KNOWN, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:
         if not spans:
