@@ -380,3 +380,16 @@ def test_request_memo_holds_weakly_and_checks_identity():
     reused = [Request() for _ in range(200)]
     assert any(id(obj) in ids for obj in reused)  # CPython hands the addresses out again
     assert all(memo.get(obj) is None for obj in reused)
+
+
+def test_a_known_request_covers_every_item_s_key_not_only_the_first_per_hash():
+    # Two items with one hash and length but different grids: a chunk that
+    # holds only the second names the second's key, which the directory
+    # never saw; the request must not count as known.
+    r = OwnerRouter(2, RoutingPolicy(per_image_cost=1, min_saving=1), SpanDirectory(1000), 1)
+    request = RequestImages([meta(0, 9, content_hash=1, grid=(2, 2)), meta(20, 29, content_hash=1, grid=())])
+    assert request.spans == (ChunkSpan(1, 10, (2, 2)),)
+    r.completed(list(request.spans))
+    assert r.route_requests([request], [0], [15])[0] is Route.KNOWN
+    route, spans = r.route_requests([request], [15], [15])
+    assert spans == [ChunkSpan(1, 10, ())] and route is not Route.KNOWN

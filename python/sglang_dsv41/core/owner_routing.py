@@ -116,7 +116,9 @@ class RequestImages:
     routes ``known`` without a lookup per span.
     """
 
-    __slots__ = ("precomputed", "items", "spans", "max_start", "min_end", "known_epoch", "source")
+    __slots__ = (
+        "precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch", "source"
+    )
 
     def __init__(self, items: Iterable[ItemMeta], source: object = None):
         # ``source``: what the table was built from, for the caller to check
@@ -152,6 +154,10 @@ class RequestImages:
             rows, first = [], {}
         self.items = tuple(rows)
         self.spans = tuple(first.values())
+        # Every directory key a chunk of this request can name: a chunk that
+        # covers only some items may pick another item's grid for a (hash,
+        # length) than the whole request does.
+        self.all_keys = tuple(dict.fromkeys(row[2] for row in rows))
         self.max_start = max_start
         self.min_end = 0 if min_end is None else min_end
 
@@ -433,7 +439,7 @@ class OwnerRouter:
                 continue
             # Look up every span of the request (not only this chunk's), so a
             # request found known is remembered and its next chunks skip this.
-            for span in table.spans:
+            for span in table.all_keys:
                 if span not in entries:
                     # Not all known: route this chunk's spans one by one.
                     return self.route(spans), spans
