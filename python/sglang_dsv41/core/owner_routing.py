@@ -129,6 +129,10 @@ class RequestImages:
         precomputed = multi_run = False
         rows = []
         first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+        # Every directory key a chunk of this request can name: a chunk that
+        # covers only some items may pick another item's grid for a (hash,
+        # length) than the whole request does.
+        keys: Dict[ChunkSpan, None] = {}
         max_start, min_end = 0, None
         for offsets, item_precomputed, content_hash, grid in items:
             if item_precomputed:
@@ -142,6 +146,7 @@ class RequestImages:
             span_len = end - start + 1
             span = _new_tuple(ChunkSpan, (content_hash, span_len, grid))
             rows.append((start, end, span))
+            keys[span] = None
             dedup = (content_hash, span_len)
             if dedup not in first:
                 first[dedup] = span
@@ -151,13 +156,10 @@ class RequestImages:
                 min_end = end
         self.precomputed = precomputed
         if multi_run:
-            rows, first = [], {}
+            rows, first, keys = [], {}, {}
         self.items = tuple(rows)
         self.spans = tuple(first.values())
-        # Every directory key a chunk of this request can name: a chunk that
-        # covers only some items may pick another item's grid for a (hash,
-        # length) than the whole request does.
-        self.all_keys = tuple(dict.fromkeys(row[2] for row in rows))
+        self.all_keys = tuple(keys)
         self.max_start = max_start
         self.min_end = 0 if min_end is None else min_end
 

@@ -256,11 +256,8 @@ def _batch_may_have_images(model, forward_batch) -> bool:
 _IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
 
 
-def _item_grid(item) -> tuple:
-    data = item.model_specific_data
-    height, width = data.get("n_vit_h"), data.get("n_vit_w")
-    if height.__class__ is int and width.__class__ is int:
-        return (height, width)
+def _grid(height, width) -> tuple:
+    """The ViT grid from an item's n_vit_h / n_vit_w, () when it has none."""
     try:
         return (int(height), int(width))
     except (TypeError, ValueError):
@@ -276,15 +273,17 @@ def _request_images(mm_input) -> RequestImages:
     image = _IMAGE
     items = mm_input.mm_items
     # (offsets, precomputed, content hash, ViT grid): the fields of the core's
-    # ItemMeta, as plain tuples (this runs on the first chunk of every image request).
-    return RequestImages(
-        (
-            (item.offsets or (), item.precomputed_embeddings is not None, item.hash, _item_grid(item))
-            for item in items
-            if item is not None and item.modality == image
-        ),
-        source=(items, len(items)),
-    )
+    # ItemMeta, as plain tuples, in one loop (this runs on the first chunk of
+    # every image request).
+    rows = []
+    for item in items:
+        if item is None or item.modality != image:
+            continue
+        data = item.model_specific_data
+        height, width = data.get("n_vit_h"), data.get("n_vit_w")
+        grid = (height, width) if height.__class__ is int and width.__class__ is int else _grid(height, width)
+        rows.append((item.offsets or (), item.precomputed_embeddings is not None, item.hash, grid))
+    return RequestImages(rows, source=(items, len(items)))
 
 
 def _request_tables(router: OwnerRouter, forward_batch) -> Optional[List[Optional[RequestImages]]]:
