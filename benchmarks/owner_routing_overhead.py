@@ -29,10 +29,12 @@ process, for chunks of 1, 8 and 32 cached images:
 
 in blocks of ten chunks, timed in this thread's CPU time (time spent
 descheduled on a shared machine is left out), in phases: stock blocks, then
-with the patches in, hooks, plugin, new-req and routing blocks; the phases
-repeat, so drift over the run hits every variant. It prints the median per
-chunk of each, the end-to-end ratios to stock, the in-place routing as a
-share of stock, and the stock spread: how far apart the per-phase medians of
+with the patches in, hooks, plugin, new-req and routing blocks taking turns;
+the phases repeat, so drift over the run hits every variant. It prints the
+median per chunk of each; hooks/stock; plugin/hooks and new-req/hooks as the
+median of each block's ratio to the hooks block of its own round (the
+routing's end-to-end cost, drift cancelled as far as pairing can); the
+in-place routing as a share of stock; and the stock spread: how far apart the per-phase medians of
 stock itself land ((max - min) / median), the resolution of the end-to-end
 columns on this machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
@@ -158,9 +160,10 @@ def main():
           f"CPU thread(s), width {WIDTH}, {span_tokens(GRID)} tokens per image, group of "
           f"{args.world}; median over {args.phases} x {args.rounds} blocks of {BLOCK} chunks "
           "per variant (CPU time of this thread)")
-    print(f"{'images':>6} {'stock us':>9} {'hooks us':>9} {'plugin us':>9} {'plugin/stock':>12} "
-          f"{'new req us':>9} {'new req/stock':>13} {'routing us':>10} {'in place us':>11} "
-          f"{'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} {'stock spread':>12}")
+    print(f"{'images':>6} {'stock us':>9} {'hooks us':>9} {'plugin us':>9} {'new req us':>10} "
+          f"{'hooks/stock':>11} {'plugin/hooks':>12} {'new req/hooks':>13} {'routing us':>10} "
+          f"{'in place us':>11} {'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} "
+          f"{'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images)
         model._bench_batch = make_batch
@@ -169,6 +172,7 @@ def main():
                                      "in_place", "in_place_new")}
         in_place = [0.0]  # routing CPU time spent inside the current plugin block
         seen_request = batches[0].mm_inputs[0]
+        real_route_chunk = owner_broadcast.route_chunk
 
         def timed(fn):
             """fn, adding its CPU time to in_place: the routing as it runs
@@ -199,8 +203,9 @@ def main():
             gc.collect()  # the previous block's requests go (their tables with them) untimed
             start = time.thread_time()  # CPU time of this thread: a shared VM's
             if variant == "routing":        # preemptions do not count
+                route = real_route_chunk  # untimed: this block is all routing
                 for batch in batches:  # a known chunk is routed and nothing else
-                    owner_broadcast.route_chunk(model, batch)
+                    route(model, batch)
             else:
                 in_place[0] = 0.0
                 for batch in batches:
@@ -214,44 +219,48 @@ def main():
         with torch.inference_mode():
             attach_router(model, args.world)
             router = model.mm_owner_router
-            # Phases of blocks: stock, then the patches go in for hooks, plugin
-            # and routing phases, then out again; repeated. Re-patching a class
-            # resets CPython's attribute caches (a cost a server pays once), so
-            # patches change only between phases, never between blocks.
+            # Phases: stock blocks, then the patches go in and hooks, plugin,
+            # new-req and routing blocks take turns (so drift hits all four
+            # alike, and plugin and new-req pair with the hooks block of their
+            # own round); then the patches come out again; repeated.
+            # Re-patching a class resets CPython's attribute caches (a cost a
+            # server pays once), so patches change only between phases.
             for _ in range(args.phases):
                 for _ in range(args.rounds):
                     block("stock")
                 with patches_installed(*PATCHES):
-                    model.mm_owner_group, model.mm_owner_router = None, None
-                    for _ in range(args.rounds):
-                        block("hooks")  # patches on, owner path off for this model
-                    model.mm_owner_group = SimpleNamespace(world_size=args.world)
-                    model.mm_owner_router = router
                     real_route, real_completed = owner_broadcast.route_chunk, router.completed
                     owner_broadcast.route_chunk = timed(real_route)
                     router.completed = timed(real_completed)
                     try:
                         for _ in range(args.rounds):
+                            # patches on, owner path off for this model
+                            model.mm_owner_group, model.mm_owner_router = None, None
+                            block("hooks")
+                            model.mm_owner_group = SimpleNamespace(world_size=args.world)
+                            model.mm_owner_router = router
                             block("plugin")
-                        for _ in range(args.rounds):
                             block("new_req")
+                            block("routing")
                     finally:
                         owner_broadcast.route_chunk = real_route
                         del router.completed  # back to the class's method
-                    for _ in range(args.rounds):
-                        block("routing")
         assert model.encoder_calls == 0
         assert router.routes[owner_broadcast.Route.KNOWN] >= 3 * args.rounds * BLOCK
         stock, hooks, plugin, new_req, routing, placed, placed_new = (
             statistics.median(times[k]) * 1e6
             for k in ("stock", "hooks", "plugin", "new_req", "routing", "in_place", "in_place_new"))
+        # Each plugin / new-req block against the hooks block of its round.
+        plugin_paired, new_paired = (
+            statistics.median(v / h for v, h in zip(times[k], times["hooks"]))
+            for k in ("plugin", "new_req"))
         # How far apart the phases of one variant land: differences smaller
         # than this are below what this machine can resolve.
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
                          for i in range(0, len(times["stock"]), args.rounds)]
         spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
-        print(f"{images:>6} {stock:>9.1f} {hooks:>9.1f} "
-              f"{plugin:>9.1f} {plugin / stock:>12.3f} {new_req:>9.1f} {new_req / stock:>13.3f} "
+        print(f"{images:>6} {stock:>9.1f} {hooks:>9.1f} {plugin:>9.1f} {new_req:>10.1f} "
+              f"{hooks / stock:>11.3f} {plugin_paired:>12.3f} {new_paired:>13.3f} "
               f"{routing:>10.1f} {placed:>11.1f} {placed_new:>12.1f} {placed / stock:>13.3f} "
               f"{placed_new / stock:>14.3f} {spread:>12.2f}", flush=True)
 
