@@ -127,3 +127,13 @@ def test_tables_leave_with_their_requests(model):
     del requests
     gc.collect()
     assert len(router.requests) == 0
+
+
+def test_pin_merging_media_builds_a_new_item_list():
+    # The tables are reused while a request's item list is the same object of
+    # the same length; sglang 0.5.23 adds a turn's media with merge(), which
+    # must keep building a new list for that check to see it.
+    first = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
+    items = first.mm_items
+    first.merge(MultimodalInputs(mm_items=[image(22, 20, 6)], im_token_id=99))
+    assert first.mm_items is not items and len(first.mm_items) == 2

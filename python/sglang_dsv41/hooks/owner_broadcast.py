@@ -290,7 +290,9 @@ def _request_tables(router: OwnerRouter, forward_batch) -> Optional[List[Optiona
     """Per request of the batch, its image table (None: a text request), or
     None when no request carries multimodal inputs. A request's table is
     built on its first chunk and reused while its item list is the same
-    object of the same length."""
+    object of the same length: once a request is scheduled, sglang 0.5.23
+    adds media by building a new list (MultimodalInputs.merge) or a new
+    MultimodalInputs (session turns), never by editing items in place."""
     memo = router.requests
     tables: List[Optional[RequestImages]] = []
     any_inputs = False
