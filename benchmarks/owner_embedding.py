@@ -10,7 +10,8 @@ cache-hit rates, and prints time per batch and ours/replicated.
 (sglang_dsv41.core.owner_routing) decides from the batch alone, and the
 `route` column says what it chose: `owner` (the protocol), `known` (every
 span recorded in the group's directory: stock lookups), `not-worth` (the
-owner path would not save encoder time: stock encode). Cache hits are
+owner path would not save encoder time: stock encode inside a status-only
+session, two status rounds). Cache hits are
 preloaded into the cache and recorded in the directory, as an earlier chunk
 of the same images would have left them. `--routing always` sends every
 batch through the protocol (the behaviour before routing).
@@ -213,12 +214,21 @@ def chunk_spans(requests):
 
 
 def routed_encode(router, group, requests, cache, encoder, hidden, dtype, device):
-    """What the plugin does: route from the batch alone, then the protocol or
-    stock's replicated path; record the spans. Returns the route."""
+    """What the plugin does: route from the batch alone, then the protocol,
+    stock's replicated path inside a status-only session (not-worth: two
+    status rounds; without a group, as in single-gpu mode, the rounds are
+    added by the caller), or stock's path alone (known); record the spans.
+    Returns the route."""
     spans = chunk_spans(requests)
     route = router.route(spans)
     if route is Route.OWNER:
         owner_encode(group, requests, cache, encoder, hidden, dtype, device)
+    elif route is Route.NOT_WORTH and group is not None:
+        session = OwnerSession(group, device=device, dtype=dtype, width=hidden, request_ids=["bench"],
+                               signature=lambda item, n: (item.grid_h, item.grid_w), local_encode=True)
+        with session.fence():
+            replicated_encode(requests, cache, encoder)
+            session.features_ready()
     else:
         replicated_encode(requests, cache, encoder)
     router.completed(spans)
@@ -476,9 +486,16 @@ def run_single_gpu(args):
     print(f"mode=single-gpu device={device} group size R={world} (derived) images/batch={args.images} "
           f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
           f"hidden={args.hidden} {args.dtype}; median of {args.iters}; {policy_text(args)}")
+    floor = None
+    if device.type == "cuda":
+        try:
+            floor = status_round_floor(device, args.iters)
+        except Exception as exc:  # the table below stands on its own
+            print(f"status round on {device} not measured: {type(exc).__name__}: {exc}")
     print("route owner: measured encoder(all misses), encoder(each owner's share), device copy of "
           f"payload bytes, agreements (real protocol, {world} gloo CPU processes); derived: ours, "
-          "ratio. Other routes: ours measured whole (routing + stock path), no agreement.")
+          "ratio. Other routes: ours measured whole (routing + stock path); not-worth adds two "
+          "status rounds at the one-rank NCCL floor below (derived; none without a GPU).")
     print(f"{'grid':>7} {'span':>5} {'hits':>5} {'route':>9} {'repl ms':>9} {'max share ms':>12} "
           f"{'imgs':>4} {'copy ms':>8} {'MiB':>7} {'agree ms':>9} {'ours ms':>9} {'ours/repl':>10}")
     for row in rows:
@@ -489,19 +506,19 @@ def run_single_gpu(args):
             ours = row["max_share"] + row["copies"] + agree
             detail = (f"{row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
                       f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f}")
+        elif row["route"] == "not-worth":
+            agree = 2 * (floor or 0.0)
+            ours = row["routed_stock"] + agree
+            detail = f"{'-':>12} {'-':>4} {'-':>8} {'-':>7} {agree * 1e3:>9.3f}"
         else:
             ours = row["routed_stock"]
             detail = f"{'-':>12} {'-':>4} {'-':>8} {'-':>7} {'-':>9}"
         print(f"{grid[0]:>3}x{grid[1]:<3} {row['span_len']:>5} {row['hit_rate']:>5.2f} "
               f"{row['route']:>9} {replicated * 1e3:>9.3f} {detail} {ours * 1e3:>9.3f} "
               f"{ours / replicated:>10.2f}")
-    if device.type == "cuda":
-        try:
-            floor = status_round_floor(device, args.iters)
-            print(f"one status round on {device} (one-rank NCCL group, no peer latency): "
-                  f"{floor * 1e6:.1f} us median")
-        except Exception as exc:  # the table above stands on its own
-            print(f"status round on {device} not measured: {type(exc).__name__}: {exc}")
+    if floor is not None:
+        print(f"one status round on {device} (one-rank NCCL group, no peer latency): "
+              f"{floor * 1e6:.1f} us median")
 
 
 # ---------------------------------------------------------------- main

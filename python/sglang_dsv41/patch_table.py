@@ -176,10 +176,11 @@ PATCHES: tuple[Patch, ...] = (
         roles=roles(Role.SCHEDULER),
         reason="Routes each image chunk from what every rank holds alike (batch metadata, "
         "settings, the group's span directory), so all ranks decide without communicating: "
-        "spans the group already holds and chunks whose encoder work the owners cannot usefully "
-        "share run stock code with no collective; the others open an owner session and run the "
-        "whole input preparation inside its fence, so a failure on any rank becomes the same "
-        "error on every rank instead of a hang.",
+        "spans the group already holds run stock code with no collective; chunks whose encoder "
+        "work the owners cannot usefully share run stock's replicated encode in a status-only "
+        "session; the others open an owner session. Both sessions fence the whole input "
+        "preparation, so a failure on any rank becomes the same error on every rank instead "
+        "of a hang.",
         source="seed models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session); "
         "UPSTREAM-0.5.23 rows C4, B6",
         signature="(self, input_ids: torch.Tensor, forward_batch: ForwardBatch, input_embeds: Optional[torch.Tensor]=None)",
@@ -211,7 +212,7 @@ PATCHES: tuple[Patch, ...] = (
         reason="Where 0.5.23 encodes a chunk's per-image cache misses on every rank: with an "
         "engaged session, fill each request's overlapping list (0.5.23 3-tuple format) and "
         "resolve the spans through the owner protocol (one encode per span in the group, "
-        "broadcast to the rest); otherwise the stock encode.",
+        "broadcast to the rest); otherwise (no session, or a status-only one) the stock encode.",
         source="seed managers/mm_schedule.py (_collect_image_span_requests, "
         "_owner_span_encoder); UPSTREAM-0.5.23 rows C1, C2",
         signature="(data_embedding_func: DataEmbeddingFunc, per_image_requests: List[PerImageRequestInfo], device: torch.device)",

@@ -191,7 +191,7 @@ def run_all(rank, coordinator, counts):
 
     def run(name, requests, *, mode=ForwardMode.EXTEND, env="always", fail_hash=None,
             keep_cache=False, lookup_fails_on=None, text_embedding=embed, min_saving=None,
-            model_key=None, drop_cache_on=None):
+            model_key=None, drop_cache_on=None, encode_fails_on=None):
         """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend).
         env "always" sends every image chunk through the protocol; "auto" routes
         it. ``model_key`` reuses the model (and its router) of an earlier run."""
@@ -199,6 +199,8 @@ def run_all(rank, coordinator, counts):
         os.environ.pop(ENV_MIN_SAVING, None)
         if min_saving is not None:
             os.environ[ENV_MIN_SAVING] = str(min_saving)
+        if encode_fails_on is not None and encode_fails_on != rank:
+            fail_hash = None  # only that rank's vision tower fails
         model = models.get(model_key)
         if model is None:
             model = VisionModel(fail_hash=fail_hash, text_embedding=text_embedding)
@@ -300,6 +302,16 @@ def run_all(rank, coordinator, counts):
             env="auto", keep_cache=True, model_key="auto", drop_cache_on=1),
         # One image with the default costs: the owner path cannot be faster.
         run("auto-one-image", [(c_ids, c_mm, c_images, 0, 12)], env="auto", model_key="auto-default"),
+        # The same with a one-shard text embedding: the features agreement
+        # rides on the fence-end round.
+        run("auto-one-image-single-shard", [(c_ids, c_mm, c_images, 0, 12)], env="auto",
+            text_embedding=single_shard),
+        # Only rank 1's vision tower fails on the one image: stock would leave
+        # rank 0 in the text embedding's all-reduce; the status-only session
+        # makes it the same error on both.
+        run("auto-one-image-fails-on-1", [(c_ids, c_mm, c_images, 0, 12)], env="auto",
+            fail_hash=404, encode_fails_on=1),
+        run("auto-after-failure", [(c_ids, c_mm, c_images, 0, 12)], env="auto"),
     ]
     # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
     # local lookup from _embed_local_shard and then all-reducing it, and on a

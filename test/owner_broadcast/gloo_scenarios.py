@@ -165,6 +165,7 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
         for h, n in spans
     ]
 
+    local_encode = bool(scenario.get("local_encode"))
     session = OwnerSession(
         group,
         device=torch.device("cpu"),
@@ -174,7 +175,25 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
         signature=signature,
         allocate=allocate,
         on_phase=on_phase,
+        local_encode=local_encode,
     )
+
+    def stock_encode():
+        """What stock sglang does on every rank: local lookups, every miss
+        encoded and cached here (no resolve, no collective)."""
+        features, misses = {}, []
+        for h, n in spans:
+            hit = cache.get(h)
+            if hit is not None and hit.shape[0] == n:
+                features[(h, n)] = hit
+            else:
+                misses.append(SpanRequest(content_hash=h, span_len=n, item={"grid": (n, 1)}))
+        if misses:
+            encoded = torch.split(encode(misses), [r.span_len for r in misses])
+            for request, span in zip(misses, encoded):
+                cache.set(request.content_hash, span.clone())
+                features[request.key] = span
+        return features
     table = text_table()
     shard = torch.arange(VOCAB) % group.world_size == me
     ids = torch.tensor(scenario.get("text_ids", [1, 5, 9, 33]))
@@ -197,7 +216,10 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     try:
         with session.fence():
             maybe_fail("prepare")
-            features = session.resolve(requests, cache, encode)
+            if local_encode:
+                features = stock_encode()
+            else:
+                features = session.resolve(requests, cache, encode)
             result["resolve_counts"] = dict(group.counts)
             ordered = torch.cat([features[key] for key in spans])
             if scenario.get("text_local"):
@@ -254,11 +276,21 @@ def scenarios(world: int) -> list:
             out.append(dict(name=f"fault-{phase}-rank{rank}", spans=spans, rids=["g", "h"],
                             fault=phase, fault_rank=rank))
     out += fast_path_scenarios(world, spans, everyone)
+    # Status-only sessions (the not-worth route): every rank encodes for
+    # itself; a failure on one rank is still agreed.
+    out.append(dict(name="local-cold", spans=spans, rids=["l"], local_encode=True))
+    out.append(dict(name="local-cold-text-local", spans=spans, rids=["l"], local_encode=True,
+                    text_local=True))
+    for phase in LOCAL_FAULTS:
+        for rank in range(world):
+            out.append(dict(name=f"local-fault-{phase}-rank{rank}", spans=spans, rids=["m", "n"],
+                            fault=phase, fault_rank=rank, local_encode=True))
     out.append(dict(name="after-faults", spans=spans, rids=["z"]))
     return out
 
 
 FAST_FAULTS = ["prepare", "manifest", "cache", "features", "text-embedding", "finalize"]
+LOCAL_FAULTS = ["prepare", "cache", "encode", "text-embedding", "finalize"]
 
 
 def fast_path_scenarios(world: int, spans: list, everyone: dict) -> list:
@@ -380,16 +412,24 @@ def routing_history(group: CountingGroup, chunks: int = 80) -> dict:
                 features = session.resolve(requests, cache, encode)
                 session.embed_text(lambda: table[ids].clone())
         else:  # stock: local lookups, every miss encoded here
-            features, misses = {}, []
-            for s in spans:
-                hit = cache.get(s.content_hash)
-                if hit is not None and hit.shape[0] == s.span_len:
-                    features[(s.content_hash, s.span_len)] = hit
-                else:
-                    misses.append(SpanRequest(content_hash=s.content_hash, span_len=s.span_len, item=s.grid))
-            for request, span in zip(misses, encode(misses)):
-                cache.set(request.content_hash, span)
-                features[request.key] = span
+            # not-worth: inside a status-only session, as the OWN-FENCE hook
+            # runs it; known: no session at all.
+            session = OwnerSession(group, device=torch.device("cpu"), dtype=DTYPE, width=WIDTH,
+                                   request_ids=[f"chunk{index}"], signature=lambda item, n: item,
+                                   local_encode=True, engaged=route is Route.NOT_WORTH)
+            with session.fence():
+                features, misses = {}, []
+                for s in spans:
+                    hit = cache.get(s.content_hash)
+                    if hit is not None and hit.shape[0] == s.span_len:
+                        features[(s.content_hash, s.span_len)] = hit
+                    else:
+                        misses.append(SpanRequest(content_hash=s.content_hash, span_len=s.span_len,
+                                                  item=s.grid))
+                for request, span in zip(misses, encode(misses)):
+                    cache.set(request.content_hash, span)
+                    features[request.key] = span
+                session.embed_text(lambda: table[ids].clone())
         router.completed(spans)
         ordered = torch.cat([features[(s.content_hash, s.span_len)] for s in spans])
         expected = torch.cat([reference_span(s.content_hash, s.span_len) for s in spans])

@@ -327,12 +327,12 @@ def test_digests_that_differ_for_equal_manifests_fall_back_and_serve(group_resul
 
 
 @pytest.mark.timeout(400)
-def test_routing_history_is_the_same_on_every_rank_and_stock_routes_never_communicate(group_results):
+def test_routing_history_is_the_same_on_every_rank_and_known_routes_never_communicate(group_results):
     """Eighty chunks through the router on every rank of the group, with a
     cache small enough to evict and one rank losing its whole cache halfway:
     every rank takes the same route for every chunk, ends with the same
-    features (the reference bytes), and holds the same directory; chunks not
-    routed to the protocol make no collective of ours."""
+    features (the reference bytes), and holds the same directory; known
+    chunks make no collective of ours, not-worth chunks one status round."""
     world, results = group_results
     ranks = results["routing-history"]
     assert len(ranks) == world and {r["status"] for r in ranks.values()} == {"ok"}
@@ -345,8 +345,11 @@ def test_routing_history_is_the_same_on_every_rank_and_stock_routes_never_commun
         assert all(c["matches_reference"] for c in chunk), f"chunk {index}"
         route = chunk[0]["route"]
         seen_routes.add(route)
-        if route != "owner":
+        if route == "known":
             assert all(c["counts"] == counts() for c in chunk), (index, chunk)
+        elif route == "not-worth":
+            # stock's encode on every rank; one status round at the fence end
+            assert all(c["counts"] == counts(rounds=1) for c in chunk), (index, chunk)
         else:
             encoded = [h for c in chunk for h in c["encoded"]]
             assert len(encoded) == len(set(encoded)), f"chunk {index}: a span encoded twice"
@@ -363,3 +366,36 @@ def test_routing_history_is_the_same_on_every_rank_and_stock_routes_never_commun
     assert relearned, "the rank that lost its cache never re-encoded a known span"
     for rank in range(world):
         assert ranks[rank]["directory_bytes"] <= ranks[rank]["capacity"]
+
+
+LOCAL_FAULT_PHASE = {"prepare": "encode", "cache": "encode", "encode": "encode",
+                     "text-embedding": "text-embedding", "finalize": "finalize"}
+
+
+@pytest.mark.timeout(400)
+def test_status_only_session_encodes_everywhere_with_two_rounds(group_results):
+    """The not-worth route: every rank runs stock's encode for itself; the
+    session adds two status rounds (before the text embedding's all-reduce
+    and at the fence end) and nothing else."""
+    world, results = group_results
+    for name, rounds in (("local-cold", 2), ("local-cold-text-local", 1)):
+        ranks = results[name]
+        assert {r["status"] for r in ranks.values()} == {"ok"}, ranks
+        assert len({r["digest"] for r in ranks.values()}) == 1
+        for r in ranks.values():
+            assert r["features_match_reference"] and r["text_matches_reference"]
+            assert sorted(r["encoded"]) == sorted(spans_of(world)), "every rank encodes every span"
+            assert r["counts"] == counts(rounds=rounds), (name, r["counts"])
+            assert r["cache_all_valid"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", sorted(LOCAL_FAULT_PHASE))
+def test_status_only_session_agrees_a_failure_on_any_rank(group_results, phase):
+    world, results = group_results
+    for fault_rank in range(world):
+        ranks = results[f"local-fault-{phase}-rank{fault_rank}"]
+        assert_agreed(ranks, world, fault_rank=fault_rank, phase=LOCAL_FAULT_PHASE[phase],
+                      fragments=("['m', 'n']", "injected"))
+        for r in ranks.values():
+            assert r["broadcasts"] == 0 and r["counts"]["gathers"] == 1, r["counts"]

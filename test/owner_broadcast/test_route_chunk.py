@@ -44,14 +44,32 @@ def image(content_hash, start, length, grid=(4, 4)):
     return item
 
 
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A real one-rank gloo group: the not-worth route's status rounds run on
+    it (the routes themselves are what these tests look at)."""
+    import torch.distributed as dist
+
+    from sglang_dsv41.core.owner_embedding import TorchDistributedGroup
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this process (another test leaked it)")
+    store = tmp_path_factory.mktemp("one-rank") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield TorchDistributedGroup(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
 @pytest.fixture
-def model():
+def model(one_rank_group):
     mm_schedule.init_mm_embedding_cache(1 << 20)
-    # A saving no chunk here reaches: the routes taken (known, not-worth, no
-    # spans) never touch the group, which a stand-in names.
+    # Routing as for a group of two (a saving no chunk here reaches, so cold
+    # chunks route not-worth); the sessions run on the one-rank group.
     return SimpleNamespace(
         vision=object(),
-        mm_owner_group=SimpleNamespace(world_size=2),
+        config=SimpleNamespace(hidden_size=4, vision_downsample_ratio=2),
+        image_start=torch.zeros(4),
+        mm_owner_group=one_rank_group,
         mm_owner_router=OwnerRouter(2, RoutingPolicy(min_saving=10**9), SpanDirectory(0), row_bytes=4),
     )
 
@@ -72,7 +90,10 @@ def route(model, *requests):
     seen = []
 
     def prepare(model, input_ids, forward_batch, *args):
-        seen.append(owner_broadcast.active_chunk())
+        chunk = owner_broadcast.active_chunk()
+        seen.append(chunk)
+        if chunk is not None and chunk.session is not None:
+            chunk.session.features_ready()  # what the text-embedding hook does
 
     owner_broadcast.around_prepare_language_model_inputs(prepare, model, None, batch(list(requests)))
     return seen[0]
@@ -83,7 +104,8 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
     router = model.mm_owner_router
 
     first = route(model, (mm, 0, 15))  # tokens 0..14: the first image only
-    assert first.route is Route.NOT_WORTH  # cold: stock encode
+    assert first.route is Route.NOT_WORTH  # cold: stock encode in a status-only session
+    assert first.session is not None and first.session.local_encode
     assert first.spans == [ChunkSpan(11, 10, (4, 4))]
     table = router.requests.get(mm)
     assert table is not None
@@ -94,6 +116,7 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
 
     again = route(model, (mm, 0, 30))  # the whole prompt again: both recorded
     assert again.route is Route.KNOWN and len(again.spans) == 2
+    assert again.session is None  # known: no collective at all
     assert table.known_epoch == router.directory.epoch  # next chunks skip the lookups
     assert route(model, (mm, 0, 30)).route is Route.KNOWN
     # the directory shadows the cache's byte budget, read when spans are recorded

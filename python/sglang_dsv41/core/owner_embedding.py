@@ -413,6 +413,11 @@ class OwnerSession:
       synchronize: waits for the device before a rank reports success.
       on_phase: called with each phase as it starts (a fault-injection seam
         for tests; None in production).
+      local_encode: every rank encodes its own misses (stock sglang's
+        replicated path) and the session only agrees status, before the text
+        embedding and at the fence end: two small rounds, no manifest, no
+        broadcast, and still the same error on every rank when one rank
+        fails. ``resolve`` is not used.
     """
 
     def __init__(
@@ -429,6 +434,7 @@ class OwnerSession:
         allocation_context: Callable[[], ContextManager] = nullcontext,
         synchronize: Callable[[torch.device], None] = _default_synchronize,
         on_phase: Optional[Callable[[Phase], None]] = None,
+        local_encode: bool = False,
     ):
         self.group = group
         self.device = torch.device(device)
@@ -441,8 +447,11 @@ class OwnerSession:
         self._allocation_context = allocation_context
         self._synchronize = synchronize
         self._on_phase = on_phase
-        self.phase = Phase.PREPARE
-        self._state = _State.AWAIT_MANIFEST
+        self.local_encode = bool(local_encode)
+        self.phase = Phase.ENCODE if self.local_encode else Phase.PREPARE
+        # A local-encode session has no manifest round: its first agreement
+        # is features_ready.
+        self._state = _State.AWAIT_FEATURES_READY if self.local_encode else _State.AWAIT_MANIFEST
         self._collective_failed = False
         # The text embedding ran without a collective: the fence end also
         # agrees that the features were ready.
@@ -462,6 +471,8 @@ class OwnerSession:
             raise RuntimeError(
                 "owner protocol reached for a chunk whose batch metadata shows no image span"
             )
+        if self.local_encode:
+            raise RuntimeError("owner protocol resolve called on a local-encode session")
         if self._state is not _State.AWAIT_MANIFEST:
             raise RuntimeError(
                 f"owner protocol resolved twice in one input preparation (state {self._state.value})"

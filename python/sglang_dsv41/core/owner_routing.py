@@ -11,8 +11,10 @@ images are spread over the owners, and nothing at all when
   or all cold images on one owner, or images so small that what the owners
   save is less than what the rounds cost.
 
-Such chunks run stock sglang's replicated encode instead, with no collective
-of ours. The decision must be the same on every rank of the group without a
+Such chunks run stock sglang's code instead: ``known`` chunks with no
+collective of ours, ``not-worth`` chunks (which encode on every rank) inside
+a status-only session of the protocol, two small rounds that keep an encoder
+failure on one rank an agreed error rather than a hang. The decision must be the same on every rank of the group without a
 message, so it reads only what every rank holds identically: the chunk's
 host-side metadata, the routing policy (from the environment), and the
 ``SpanDirectory``, a record of the spans the group completed, updated at the
@@ -25,9 +27,10 @@ the span locally, exactly as stock sglang would: slower once, never a
 mismatch of collectives. Since every rank's cache sees the same operations in
 the same order, its peers usually do the same.
 
-Chunks routed to stock keep stock's failure semantics: an encoder error on
-one rank is that rank's error, not an agreed one. ``RoutingPolicy(mode=
-"always")`` sends every image chunk through the protocol instead.
+A ``known`` chunk keeps stock's failure semantics: an error on one rank
+(say, while it re-encodes a span its cache lost) is that rank's error, not
+an agreed one. ``RoutingPolicy(mode="always")`` sends every image chunk
+through the protocol instead.
 
 This module depends on msgspec only.
 """
@@ -67,7 +70,7 @@ _new_tuple = tuple.__new__
 class Route(str, enum.Enum):
     NO_SPANS = "no-spans"  # the per-image path sees no span in this chunk
     KNOWN = "known"  # every span is in the directory: local lookups only
-    NOT_WORTH = "not-worth"  # the owner path would not save encoder time
+    NOT_WORTH = "not-worth"  # the owner path would not save encoder time: every rank encodes
     OWNER = "owner"  # the owner protocol
 
 

@@ -51,7 +51,8 @@ ENV_SWITCH = ENV_MODE
 
 class ChunkRoute:
     """What the fence decided for one input preparation: the route, the
-    chunk's spans, and the session when the route is the owner protocol."""
+    chunk's spans, and its session (the owner protocol for ``owner``, a
+    status-only one for ``not-worth``, none otherwise)."""
 
     __slots__ = ("route", "spans", "session")
 
@@ -377,11 +378,19 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         )
     elif logger.isEnabledFor(logging.DEBUG):
         logger.debug("[sglang-dsv41] owner-broadcast: %d image spans, route %s", len(spans), route.value)
-    session = open_session(model, forward_batch) if route is Route.OWNER else None
+    if route is Route.OWNER:
+        session = open_session(model, forward_batch)
+    elif route is Route.NOT_WORTH:
+        # Every rank encodes its cold spans, as stock does; two status rounds
+        # keep an encoder failure on one rank from leaving its peers in the
+        # model's next collective.
+        session = open_session(model, forward_batch, local_encode=True)
+    else:
+        session = None
     return ChunkRoute(route, spans, session)
 
 
-def open_session(model, forward_batch) -> OwnerSession:
+def open_session(model, forward_batch, local_encode: bool = False) -> OwnerSession:
     group = model.mm_owner_group
     config = model.config
     return OwnerSession(
@@ -392,6 +401,7 @@ def open_session(model, forward_batch) -> OwnerSession:
         request_ids=list(forward_batch.rids or ()),
         signature=lambda item, span_len: image_span_geometry(config, item, span_len),
         allocation_context=symmetric_memory_disabled,
+        local_encode=local_encode,
     )
 
 
@@ -572,7 +582,7 @@ def around_batch_encode_per_image_misses(original, data_embedding_func, per_imag
     global _fallback_warned
     chunk = _active_chunk.get()
     session = None if chunk is None else chunk.session
-    if session is not None and session.engaged:
+    if session is not None and session.engaged and not session.local_encode:
         return session.resolve(
             collect_span_requests(per_image_requests),
             StaticCacheAdapter(),
