@@ -10,8 +10,8 @@ cache-hit rates, and prints time per batch and ours/replicated.
 (sglang_dsv41.core.owner_routing) decides from the batch alone, and the
 `route` column says what it chose: `owner` (the protocol), `known` (every
 span recorded in the group's directory: stock lookups), `not-worth` (the
-owner path would not save encoder time: stock encode inside a status-only
-session, two status rounds). Cache hits are
+owner path would not save encoder time: stock encode; with `--routing
+guarded` inside a status-only session, two status rounds). Cache hits are
 preloaded into the cache and recorded in the directory, as an earlier chunk
 of the same images would have left them. `--routing always` sends every
 batch through the protocol (the behaviour before routing).
@@ -214,16 +214,16 @@ def chunk_spans(requests):
 
 
 def routed_encode(router, group, requests, cache, encoder, hidden, dtype, device):
-    """What the plugin does: route from the batch alone, then the protocol,
-    stock's replicated path inside a status-only session (not-worth: two
-    status rounds; without a group, as in single-gpu mode, the rounds are
-    added by the caller), or stock's path alone (known); record the spans.
-    Returns the route."""
+    """What the plugin does: route from the batch alone, then the protocol or
+    stock's replicated path (with --routing guarded, a not-worth batch runs
+    it inside a status-only session: two status rounds; without a group, as
+    in single-gpu mode, the caller adds them); record the spans. Returns the
+    route."""
     spans = chunk_spans(requests)
     route = router.route(spans)
     if route is Route.OWNER:
         owner_encode(group, requests, cache, encoder, hidden, dtype, device)
-    elif route is Route.NOT_WORTH and group is not None:
+    elif route is Route.NOT_WORTH and group is not None and router.guards_stock_encodes:
         session = OwnerSession(group, device=device, dtype=dtype, width=hidden, request_ids=["bench"],
                                signature=lambda item, n: (item.grid_h, item.grid_w), local_encode=True)
         with session.fence():
@@ -334,7 +334,8 @@ def run_group(args, backend):
 def policy_text(args):
     if args.routing == "always":
         return "routing always (every batch through the protocol)"
-    return f"routing auto (per-image cost {args.per_image_cost}, min saving {args.min_saving})"
+    return (f"routing {args.routing} (per-image cost {args.per_image_cost}, "
+            f"min saving {args.min_saving})")
 
 
 # ---------------------------------------------------------------- single GPU
@@ -494,8 +495,9 @@ def run_single_gpu(args):
             print(f"status round on {device} not measured: {type(exc).__name__}: {exc}")
     print("route owner: measured encoder(all misses), encoder(each owner's share), device copy of "
           f"payload bytes, agreements (real protocol, {world} gloo CPU processes); derived: ours, "
-          "ratio. Other routes: ours measured whole (routing + stock path); not-worth adds two "
-          "status rounds at the one-rank NCCL floor below (derived; none without a GPU).")
+          "ratio. Other routes: ours measured whole (routing + stock path); with --routing guarded "
+          "not-worth adds two status rounds at the one-rank NCCL floor below (derived; none "
+          "without a GPU).")
     print(f"{'grid':>7} {'span':>5} {'hits':>5} {'route':>9} {'repl ms':>9} {'max share ms':>12} "
           f"{'imgs':>4} {'copy ms':>8} {'MiB':>7} {'agree ms':>9} {'ours ms':>9} {'ours/repl':>10}")
     for row in rows:
@@ -506,7 +508,7 @@ def run_single_gpu(args):
             ours = row["max_share"] + row["copies"] + agree
             detail = (f"{row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
                       f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f}")
-        elif row["route"] == "not-worth":
+        elif row["route"] == "not-worth" and args.routing == "guarded":
             agree = 2 * (floor or 0.0)
             ours = row["routed_stock"] + agree
             detail = f"{'-':>12} {'-':>4} {'-':>8} {'-':>7} {agree * 1e3:>9.3f}"
@@ -538,7 +540,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
     parser.add_argument("--device", default="cuda", help="single-gpu mode only (cpu: smoke test)")
     defaults = RoutingPolicy()
-    parser.add_argument("--routing", choices=["auto", "always"], default="auto")
+    parser.add_argument("--routing", choices=["auto", "guarded", "always"], default="auto")
     parser.add_argument("--per-image-cost", dest="per_image_cost", type=int,
                         default=defaults.per_image_cost)
     parser.add_argument("--min-saving", dest="min_saving", type=int, default=defaults.min_saving)

@@ -176,11 +176,11 @@ PATCHES: tuple[Patch, ...] = (
         roles=roles(Role.SCHEDULER),
         reason="Routes each image chunk from what every rank holds alike (batch metadata, "
         "settings, the group's span directory), so all ranks decide without communicating: "
-        "spans the group already holds run stock code with no collective; chunks whose encoder "
-        "work the owners cannot usefully share run stock's replicated encode in a status-only "
-        "session; the others open an owner session. Both sessions fence the whole input "
-        "preparation, so a failure on any rank becomes the same error on every rank instead "
-        "of a hang.",
+        "spans the group already holds, and chunks whose encoder work the owners cannot usefully "
+        "share, run stock code with no collective (with SGLANG_DSV41_OWNER_BROADCAST=guarded the "
+        "latter in a status-only session); the others open an owner session. Sessions fence the "
+        "whole input preparation, so a failure on any rank becomes the same error on every rank "
+        "instead of a hang.",
         source="seed models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session); "
         "UPSTREAM-0.5.23 rows C4, B6",
         signature="(self, input_ids: torch.Tensor, forward_batch: ForwardBatch, input_embeds: Optional[torch.Tensor]=None)",

@@ -302,16 +302,18 @@ def run_all(rank, coordinator, counts):
             env="auto", keep_cache=True, model_key="auto", drop_cache_on=1),
         # One image with the default costs: the owner path cannot be faster.
         run("auto-one-image", [(c_ids, c_mm, c_images, 0, 12)], env="auto", model_key="auto-default"),
-        # The same with a one-shard text embedding: the features agreement
-        # rides on the fence-end round.
-        run("auto-one-image-single-shard", [(c_ids, c_mm, c_images, 0, 12)], env="auto",
+        # Mode guarded: the same chunk encodes in a status-only session.
+        run("guarded-one-image", [(c_ids, c_mm, c_images, 0, 12)], env="guarded"),
+        # With a one-shard text embedding the features agreement rides on
+        # the fence-end round.
+        run("guarded-one-image-single-shard", [(c_ids, c_mm, c_images, 0, 12)], env="guarded",
             text_embedding=single_shard),
-        # Only rank 1's vision tower fails on the one image: stock would leave
-        # rank 0 in the text embedding's all-reduce; the status-only session
-        # makes it the same error on both.
-        run("auto-one-image-fails-on-1", [(c_ids, c_mm, c_images, 0, 12)], env="auto",
+        # Only rank 1's vision tower fails on the one image: unguarded, rank 0
+        # would go on into the text embedding's all-reduce alone; guarded, it
+        # is the same error on both.
+        run("guarded-one-image-fails-on-1", [(c_ids, c_mm, c_images, 0, 12)], env="guarded",
             fail_hash=404, encode_fails_on=1),
-        run("auto-after-failure", [(c_ids, c_mm, c_images, 0, 12)], env="auto"),
+        run("guarded-after-failure", [(c_ids, c_mm, c_images, 0, 12)], env="guarded"),
     ]
     # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
     # local lookup from _embed_local_shard and then all-reducing it, and on a

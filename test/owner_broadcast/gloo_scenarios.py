@@ -384,8 +384,10 @@ def routing_history(group: CountingGroup, chunks: int = 80) -> dict:
     span_len_of = lambda grid: 2 + grid[0] * (grid[1] + 1)
     row_bytes = WIDTH * torch.finfo(DTYPE).bits // 8
     capacity = 6 * span_len_of((8, 8)) * row_bytes
-    router = OwnerRouter(world, RoutingPolicy(per_image_cost=20, min_saving=30), SpanDirectory(capacity),
-                         row_bytes)
+    # Mode guarded: its routes are auto's, and its not-worth chunks run in a
+    # status-only session, which this history must keep aligned too.
+    router = OwnerRouter(world, RoutingPolicy(mode="guarded", per_image_cost=20, min_saving=30),
+                         SpanDirectory(capacity), row_bytes)
     cache = LruCache(capacity)
     table = text_table()
     ids = torch.tensor([1, 5, 9, 33])
@@ -413,10 +415,11 @@ def routing_history(group: CountingGroup, chunks: int = 80) -> dict:
                 session.embed_text(lambda: table[ids].clone())
         else:  # stock: local lookups, every miss encoded here
             # not-worth: inside a status-only session, as the OWN-FENCE hook
-            # runs it; known: no session at all.
+            # runs it in mode guarded; known: no session at all.
             session = OwnerSession(group, device=torch.device("cpu"), dtype=DTYPE, width=WIDTH,
                                    request_ids=[f"chunk{index}"], signature=lambda item, n: item,
-                                   local_encode=True, engaged=route is Route.NOT_WORTH)
+                                   local_encode=True,
+                                   engaged=route is Route.NOT_WORTH and router.guards_stock_encodes)
             with session.fence():
                 features, misses = {}, []
                 for s in spans:

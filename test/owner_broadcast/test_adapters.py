@@ -188,11 +188,11 @@ def test_first_chunk_of_each_route_is_logged_per_router(results):
     for log in results["_logs"]:
         firsts = [l.split("first chunk routed ")[1].split(" ")[0]
                   for l in log.splitlines() if "first chunk routed" in l]
-        # the "auto" model's router saw owner then known; the four one-image
+        # the "auto" model's router saw owner then known; the five one-image
         # runs' routers (each its own model) saw not-worth (also the one whose
         # chunk then failed: routing comes first); every "always" model one
         # owner chunk
-        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 4, firsts
+        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 5, firsts
         assert "'owner'" in firsts
 
 
@@ -240,34 +240,43 @@ def test_a_rank_that_lost_a_known_span_encodes_it_locally(results):
     assert r0["directory"] == r1["directory"]
 
 
-def test_one_image_runs_stock_on_every_rank_with_two_status_rounds(results):
+def test_one_image_runs_stock_on_every_rank(results):
     for r in both(results, "auto-one-image"):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"not-worth": 1}
+        assert r["encoded"] == [404], "every rank encodes it, as stock sglang does"
+        assert r["all_reduce_max"] == 0 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+    r0, r1 = both(results, "auto-one-image")
+    assert r0["digest"] == r1["digest"] and r0["directory"] == r1["directory"]
+    assert r0["directory_spans"] == 1
+
+
+def test_guarded_mode_runs_the_stock_encode_with_two_status_rounds(results):
+    for r in both(results, "guarded-one-image"):
         assert r["status"] == "ok" and r["embeds_match"], r
         assert r["routes"] == {"not-worth": 1}
         assert r["encoded"] == [404], "every rank encodes it, as stock sglang does"
         # features ready (before the text all-reduce) and the fence end; no
         # manifest, no broadcast
         assert r["all_reduce_max"] == 2 and r["all_gather_object"] == 0 and r["broadcast"] == 0
-    r0, r1 = both(results, "auto-one-image")
-    assert r0["digest"] == r1["digest"] and r0["directory"] == r1["directory"]
-    assert r0["directory_spans"] == 1
-    for r in both(results, "auto-one-image-single-shard"):
+        assert r["directory_spans"] == 1
+    for r in both(results, "guarded-one-image-single-shard"):
         assert r["status"] == "ok" and r["embeds_match"], r
         assert r["all_reduce_max"] == 1 and r["all_gather_object"] == 0 and r["broadcast"] == 0
 
 
-def test_an_encoder_failure_on_one_rank_of_a_stock_encode_is_agreed(results):
-    r0, r1 = both(results, "auto-one-image-fails-on-1")
+def test_guarded_mode_agrees_an_encoder_failure_on_one_rank(results):
+    r0, r1 = both(results, "guarded-one-image-fails-on-1")
     assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
     assert r0["error"] == r1["error"]
     text = r0["error"]
     assert "phase 'encode'" in text and "group rank 1 (global rank 1)" in text, text
-    assert "vision tower failed on 404" in text and "auto-one-image-fails-on-1-0" in text, text
+    assert "vision tower failed on 404" in text and "guarded-one-image-fails-on-1-0" in text, text
     assert r0["encoded"] == [404] and r1["encoded"] == []
     # nothing recorded for a chunk that failed, on either rank
     assert r0["directory_spans"] == r1["directory_spans"] == 0
     # and the group goes on: the next chunk runs normally on both ranks
-    for r in both(results, "auto-after-failure"):
+    for r in both(results, "guarded-after-failure"):
         assert r["status"] == "ok" and r["embeds_match"], r
 
 

@@ -104,8 +104,7 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
     router = model.mm_owner_router
 
     first = route(model, (mm, 0, 15))  # tokens 0..14: the first image only
-    assert first.route is Route.NOT_WORTH  # cold: stock encode in a status-only session
-    assert first.session is not None and first.session.local_encode
+    assert first.route is Route.NOT_WORTH and first.session is None  # cold: stock encode
     assert first.spans == [ChunkSpan(11, 10, (4, 4))]
     table = router.requests.get(mm)
     assert table is not None
@@ -160,3 +159,14 @@ def test_pin_merging_media_builds_a_new_item_list():
     items = first.mm_items
     first.merge(MultimodalInputs(mm_items=[image(22, 20, 6)], im_token_id=99))
     assert first.mm_items is not items and len(first.mm_items) == 2
+
+
+def test_guarded_mode_gives_stock_encodes_a_status_only_session(model):
+    model.mm_owner_router = OwnerRouter(2, RoutingPolicy(mode="guarded", min_saving=10**9),
+                                        SpanDirectory(0), row_bytes=4)
+    mm = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
+    cold = route(model, (mm, 0, 15))
+    assert cold.route is Route.NOT_WORTH
+    assert cold.session is not None and cold.session.local_encode and cold.session.engaged
+    known = route(model, (mm, 0, 15))
+    assert known.route is Route.KNOWN and known.session is None

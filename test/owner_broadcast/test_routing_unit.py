@@ -155,6 +155,11 @@ def test_policy_from_env_defaults_and_switches():
     for auto in ("1", "on", "auto", "true"):
         assert RoutingPolicy.from_env({ENV_MODE: auto}).mode == "auto"
     assert RoutingPolicy.from_env({ENV_MODE: "always"}).mode == "always"
+    assert RoutingPolicy.from_env({ENV_MODE: "Guarded"}).mode == "guarded"
+    # guarded routes exactly as auto; only the stock encodes get a session
+    guarded = OwnerRouter(2, RoutingPolicy(mode="guarded"), SpanDirectory(0), 1)
+    assert guarded.guards_stock_encodes and not router().guards_stock_encodes
+    assert guarded.route([span(1, grid=(64, 64))]) is Route.NOT_WORTH
     policy = RoutingPolicy.from_env({ENV_PER_IMAGE_COST: "10", ENV_MIN_SAVING: "0"})
     assert (policy.per_image_cost, policy.min_saving) == (10, 0)
 

@@ -11,10 +11,10 @@ images are spread over the owners, and nothing at all when
   or all cold images on one owner, or images so small that what the owners
   save is less than what the rounds cost.
 
-Such chunks run stock sglang's code instead: ``known`` chunks with no
-collective of ours, ``not-worth`` chunks (which encode on every rank) inside
-a status-only session of the protocol, two small rounds that keep an encoder
-failure on one rank an agreed error rather than a hang. The decision must be the same on every rank of the group without a
+Such chunks run stock sglang's code instead, with no collective of ours. In
+mode "guarded" the ``not-worth`` ones (which encode on every rank) run inside
+a status-only session of the protocol: two small rounds that make an encoder
+failure on one rank an agreed error rather than one rank's. The decision must be the same on every rank of the group without a
 message, so it reads only what every rank holds identically: the chunk's
 host-side metadata, the routing policy (from the environment), and the
 ``SpanDirectory``, a record of the spans the group completed, updated at the
@@ -27,10 +27,11 @@ the span locally, exactly as stock sglang would: slower once, never a
 mismatch of collectives. Since every rank's cache sees the same operations in
 the same order, its peers usually do the same.
 
-A ``known`` chunk keeps stock's failure semantics: an error on one rank
-(say, while it re-encodes a span its cache lost) is that rank's error, not
-an agreed one. ``RoutingPolicy(mode="always")`` sends every image chunk
-through the protocol instead.
+Chunks routed to stock keep stock's failure semantics (in mode "guarded",
+``known`` chunks only): an error on one rank is that rank's error, not an
+agreed one; in sglang 0.5.23 that scheduler exits and the launcher takes the
+server down. ``RoutingPolicy(mode="always")`` sends every image chunk through
+the protocol instead.
 
 This module depends on msgspec only.
 """
@@ -58,6 +59,8 @@ ENV_MIN_SAVING = "SGLANG_DSV41_OWNER_MIN_SAVING"
 # that misestimates of either term do not make it the slower choice.
 DEFAULT_PER_IMAGE_COST = 4096
 DEFAULT_MIN_SAVING = 4096
+
+MODES = ("auto", "guarded", "always")
 
 # (content hash, span length in tokens, ViT grid): what identifies a span.
 DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
@@ -337,17 +340,19 @@ class SpanDirectory:
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True):
-    """``mode``: "auto" routes each chunk by the rules above; "always" sends
-    every chunk with an image span through the protocol (the agreement guards
-    every chunk, at its cost). Costs are in patch-equivalents."""
+    """``mode``: "auto" routes each chunk by the rules above; "guarded"
+    routes the same way and runs ``not-worth`` chunks in a status-only
+    session; "always" sends every chunk with an image span through the
+    protocol (the agreement guards every chunk, at its cost). Costs are in
+    patch-equivalents."""
 
     mode: str = "auto"
     per_image_cost: int = DEFAULT_PER_IMAGE_COST
     min_saving: int = DEFAULT_MIN_SAVING
 
     def __post_init__(self):
-        if self.mode not in ("auto", "always"):
-            raise ValueError(f"routing mode {self.mode!r}: expected 'auto' or 'always'")
+        if self.mode not in MODES:
+            raise ValueError(f"routing mode {self.mode!r}: expected one of {', '.join(MODES)}")
         if self.per_image_cost < 0 or self.min_saving < 0:
             raise ValueError("routing costs must be >= 0")
 
@@ -360,10 +365,10 @@ class RoutingPolicy(msgspec.Struct, frozen=True):
             return None
         if raw in ("", "1", "true", "on", "yes", "auto"):
             mode = "auto"
-        elif raw == "always":
-            mode = "always"
+        elif raw in ("guarded", "always"):
+            mode = raw
         else:
-            raise ValueError(f"{ENV_MODE}={environ[ENV_MODE]!r}: expected 0, 1, auto or always")
+            raise ValueError(f"{ENV_MODE}={environ[ENV_MODE]!r}: expected 0, 1, auto, guarded or always")
         costs = {}
         for name, field, default in (
             (ENV_PER_IMAGE_COST, "per_image_cost", DEFAULT_PER_IMAGE_COST),
@@ -410,6 +415,9 @@ class OwnerRouter:
         self.directory = directory
         self.routes: Dict[Route, int] = {route: 0 for route in Route}
         self._always = policy.mode == "always"
+        # not-worth chunks run in a status-only session (their routes are the
+        # same as in "auto")
+        self.guards_stock_encodes = policy.mode == "guarded"
         # Per scheduled request, its RequestImages (known_epoch refers to this
         # router's directory, so the tables are this router's own).
         self.requests = RequestMemo()

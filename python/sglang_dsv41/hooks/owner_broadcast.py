@@ -52,7 +52,7 @@ ENV_SWITCH = ENV_MODE
 class ChunkRoute:
     """What the fence decided for one input preparation: the route, the
     chunk's spans, and its session (the owner protocol for ``owner``, a
-    status-only one for ``not-worth``, none otherwise)."""
+    status-only one for ``not-worth`` in mode "guarded", none otherwise)."""
 
     __slots__ = ("route", "spans", "session")
 
@@ -213,6 +213,12 @@ def choose_owner_group(model) -> Optional[CoordinatorGroup]:
     group = CoordinatorGroup(coordinator)
     if policy.mode == "always":
         routing = "every image chunk through the protocol"
+    elif policy.mode == "guarded":
+        routing = (
+            f"guarded: protocol when it saves >= {policy.min_saving} patch-equivalents "
+            f"(image = {policy.per_image_cost} + its patches), stock for known spans, "
+            "stock encodes in a status-only session"
+        )
     else:
         routing = (
             f"auto: protocol when it saves >= {policy.min_saving} patch-equivalents "
@@ -380,10 +386,9 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         logger.debug("[sglang-dsv41] owner-broadcast: %d image spans, route %s", len(spans), route.value)
     if route is Route.OWNER:
         session = open_session(model, forward_batch)
-    elif route is Route.NOT_WORTH:
+    elif route is Route.NOT_WORTH and router.guards_stock_encodes:
         # Every rank encodes its cold spans, as stock does; two status rounds
-        # keep an encoder failure on one rank from leaving its peers in the
-        # model's next collective.
+        # make an encoder failure on one rank the same error on every rank.
         session = open_session(model, forward_batch, local_encode=True)
     else:
         session = None
