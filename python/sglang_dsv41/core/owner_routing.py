@@ -14,7 +14,9 @@ images are spread over the owners, and nothing at all when
 Such chunks run stock sglang's code instead, with no collective of ours. In
 mode "guarded" the ``not-worth`` ones (which encode on every rank) run inside
 a status-only session of the protocol: two small rounds that make an encoder
-failure on one rank an agreed error rather than one rank's. The decision must be the same on every rank of the group without a
+failure on one rank an agreed error rather than one rank's.
+
+The decision must be the same on every rank of the group without a
 message, so it reads only what every rank holds identically: the chunk's
 host-side metadata, the routing policy (from the environment), and the
 ``SpanDirectory``, a record of the spans the group completed, updated at the
