@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DEBS := libibverbs1 librdmacm1 libnuma1
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test test-gpu bench patches-doc fingerprints
+.PHONY: setup test patches-doc fingerprints
 
 setup:
 	@# Mooncake's CPU wheel links against these; install only what is missing.

@@ -1,7 +1,8 @@
 """One rank of real gloo groups running the owner protocol through many scenarios.
 
 Run as ``python gloo_scenarios.py RANK 4 STORE_FILE OUT_FILE`` in four
-processes. Every member of a group runs the same scenario list in the same
+processes (``--nccl RANK STORE_FILE OUT_FILE`` in two runs the same list over
+NCCL on two GPUs: test/gpu/test_owner_nccl_gpu.py). Every member of a group runs the same scenario list in the same
 order, the way every rank of a TP group prepares the same chunks; each
 scenario writes one JSON line per rank.
 A failure scenario that left a collective dangling would hang the next
@@ -106,7 +107,9 @@ def text_table() -> torch.Tensor:
     return torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(7), dtype=DTYPE)
 
 
-def run_scenario(group: CountingGroup, scenario: dict) -> dict:
+def run_scenario(group: CountingGroup, scenario: dict, device: torch.device = torch.device("cpu")) -> dict:
+    """One scenario on this rank; ``device`` is where spans, caches and the
+    text embedding live (cpu with gloo; this rank's GPU with NCCL)."""
     me = group.rank_in_group
     fault = scenario.get("fault")
     faulty = fault is not None and scenario["fault_rank"] == me
@@ -118,11 +121,11 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     spans = [tuple(s) for s in scenario.get("spans_on", {}).get(str(me), scenario["spans"])]
     cache = DictCache()
     for content_hash, span_len in scenario.get("cached_on", {}).get(str(me), []):
-        cache.set(content_hash, reference_span(content_hash, span_len))
+        cache.set(content_hash, reference_span(content_hash, span_len).to(device))
     for content_hash, bad in scenario.get("bad_cache", {}).get(str(me), []):
         cache.entries[content_hash] = {
-            "shape": torch.zeros(3, WIDTH, dtype=DTYPE),
-            "dtype": torch.zeros(2, WIDTH, dtype=torch.float16),
+            "shape": torch.zeros(3, WIDTH, dtype=DTYPE, device=device),
+            "dtype": torch.zeros(2, WIDTH, dtype=torch.float16, device=device),
         }[bad]
     preloaded = set(cache.entries)
     cache.fail_get = faulty and fault == "cache"
@@ -132,7 +135,7 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     def encode(requests):
         maybe_fail("encode")
         encoded_hashes.extend(r.content_hash for r in requests)
-        return torch.cat([reference_span(r.content_hash, r.span_len) for r in requests])
+        return torch.cat([reference_span(r.content_hash, r.span_len) for r in requests]).to(device)
 
     def signature(item, span_len):
         maybe_fail("manifest")
@@ -168,7 +171,7 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     local_encode = bool(scenario.get("local_encode"))
     session = OwnerSession(
         group,
-        device=torch.device("cpu"),
+        device=device,
         dtype=DTYPE,
         width=WIDTH,
         request_ids=rids,
@@ -194,9 +197,9 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
                 cache.set(request.content_hash, span.clone())
                 features[request.key] = span
         return features
-    table = text_table()
-    shard = torch.arange(VOCAB) % group.world_size == me
-    ids = torch.tensor(scenario.get("text_ids", [1, 5, 9, 33]))
+    table = text_table().to(device)
+    shard = (torch.arange(VOCAB) % group.world_size == me).to(device)
+    ids = torch.tensor(scenario.get("text_ids", [1, 5, 9, 33]), device=device)
 
     def lookup():
         maybe_fail("text-embedding")
@@ -227,13 +230,14 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
             else:
                 text = session.embed_text(lookup, reduce)
             maybe_fail("finalize")
+        ordered, text = ordered.cpu(), text.cpu()
         digest = hashlib.sha256(ordered.numpy().tobytes() + text.numpy().tobytes()).hexdigest()
         expected = torch.cat([reference_span(h, n) for h, n in spans])
         result.update(
             status="ok",
             digest=digest,
             features_match_reference=bool(torch.equal(ordered, expected)),
-            text_matches_reference=bool(torch.equal(text, table[ids])),
+            text_matches_reference=bool(torch.equal(text, table[ids].cpu())),
         )
     except OwnerProtocolError as exc:
         result.update(status="agreed-error", error=str(exc))
@@ -248,7 +252,8 @@ def run_scenario(group: CountingGroup, scenario: dict) -> dict:
     result["cache_all_valid"] = all(
         isinstance(entry, torch.Tensor)
         and entry.shape == (dict(spans)[h], WIDTH)
-        and torch.equal(entry, reference_span(h, dict(spans)[h]))
+        and entry.device == device
+        and torch.equal(entry.cpu(), reference_span(h, dict(spans)[h]))
         for h, entry in cache.entries.items()
     )
     return result
@@ -482,5 +487,30 @@ def main():
     dist.destroy_process_group()
 
 
+def nccl_main():
+    """``python gloo_scenarios.py --nccl RANK STORE_FILE OUT_FILE`` in two
+    processes on two GPUs: the same scenario list over NCCL, as production
+    runs it (status rounds, span broadcasts and the text all-reduce on the
+    GPUs; object gathers on a gloo group), spans and caches on each rank's
+    GPU."""
+    rank, store, out_path = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60), device_id=device)
+    object_group = dist.new_group([0, 1], backend="gloo")
+    group = CountingGroup(TorchDistributedGroup(dist.group.WORLD, object_group))
+    with open(out_path, "w") as handle:
+        for scenario in scenarios(2):
+            result = run_scenario(group, scenario, device)
+            result["world"] = 2
+            handle.write(json.dumps(result) + "\n")
+    dist.barrier(group=object_group)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--nccl":
+        nccl_main()
+    else:
+        main()
