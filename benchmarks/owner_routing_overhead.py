@@ -18,9 +18,10 @@ process, for chunks of 1, 8 and 32 cached images:
            ``known``), each chunk from a request the router has seen before
            (its per-request table is reused: later chunks of a request, or a
            request retried)
-  new req  the same, each chunk from a new request object holding the same
-           cached images (the table is built on the chunk: the first chunk
-           of a request whose images another request brought in)
+  new req  the same, each chunk from a new request (new MultimodalInputs and
+           new item objects) holding the same cached images (the table is
+           built on the chunk: the first chunk of a request whose images
+           another request brought in)
   routing  route_chunk alone (a known chunk needs nothing else), on the same batches
            (seen requests) in a tight loop
   in place route_chunk and the directory update (when the route needs one)
@@ -39,10 +40,12 @@ stock itself land ((max - min) / median), the resolution of the end-to-end
 columns on this machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
 is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
-7168-wide rows, which only adds to the stock side).
+7168-wide rows, which only adds to the stock side); ``--width 7168`` runs the
+same chunks at DeepSeek-V4.1's hidden size, still on the CPU.
 
 Needs sglang 0.5.23 (CPU is enough):
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py
+  PYTHONPATH=python python benchmarks/owner_routing_overhead.py --width 7168 --rounds 10
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ import statistics
 import time
 from types import SimpleNamespace
 
+import msgspec
 import torch
 from torch import nn
 
-WIDTH = 64
+WIDTH = 64  # default: see the docstring; --width 7168 is DeepSeek-V4.1's hidden size
 VOCAB = 1024
 IMAGE_TOKEN_ID = VOCAB - 1
 GRID = (32, 32)  # ViT patches; downsample 2 -> 16 x 17 + 2 = 274 tokens
@@ -70,7 +74,7 @@ def span_tokens(grid):
     return 2 + n_h * (n_w + 1)
 
 
-def build(images: int):
+def build(images: int, width: int = WIDTH):
     from sglang.srt.managers import mm_schedule
     from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
     from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult
@@ -80,7 +84,7 @@ def build(images: int):
     class Body(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed_tokens = nn.Embedding(VOCAB, WIDTH)
+            self.embed_tokens = nn.Embedding(VOCAB, width)
 
         def get_input_embeddings(self):
             return self.embed_tokens
@@ -90,10 +94,10 @@ def build(images: int):
 
         def __init__(self):
             nn.Module.__init__(self)
-            self.config = SimpleNamespace(hidden_size=WIDTH, image_token_id=IMAGE_TOKEN_ID,
+            self.config = SimpleNamespace(hidden_size=width, image_token_id=IMAGE_TOKEN_ID,
                                           vision_downsample_ratio=RATIO)
             self.vision = object()
-            self.image_start = nn.Parameter(torch.zeros(WIDTH))
+            self.image_start = nn.Parameter(torch.zeros(width))
             self.model = Body()
             self.encoder_calls = 0
 
@@ -113,7 +117,7 @@ def build(images: int):
         item.set_hash(10_000_019 * (index + 1))
         item.model_specific_data.update(n_vit_h=GRID[0], n_vit_w=GRID[1])
         ids[start : start + tokens] = item.padding_sequence(tokens)
-        mm_schedule.embedding_cache.set(item.hash, EmbeddingResult(embedding=torch.randn(tokens, WIDTH)))
+        mm_schedule.embedding_cache.set(item.hash, EmbeddingResult(embedding=torch.randn(tokens, width)))
         items.append(item)
     mm_input = MultimodalInputs(mm_items=items, im_token_id=IMAGE_TOKEN_ID)
     input_ids = torch.tensor(ids, dtype=torch.long)
@@ -136,7 +140,7 @@ def attach_router(model, world):
     model.mm_owner_group = SimpleNamespace(world_size=world)
     capacity = mm_schedule.embedding_cache.max_size  # the directory shadows the cache
     model.mm_owner_router = OwnerRouter(world, RoutingPolicy(), SpanDirectory(capacity),
-                                        WIDTH * model.image_start.element_size())
+                                        model.config.hidden_size * model.image_start.element_size())
     batch = model._bench_batch()
     model.mm_owner_router.completed(owner_broadcast.route_chunk(model, batch).spans)
     assert owner_broadcast.route_chunk(model, batch).route.value == "known"
@@ -148,6 +152,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=20, help="blocks per phase")
     parser.add_argument("--phases", type=int, default=3)
     parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--width", type=int, default=WIDTH,
+                        help="embedding width (default %(default)s: stock as cheap as it gets)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -157,7 +163,7 @@ def main():
     from sglang_dsv41.testing import patches_installed
 
     print(f"full-hit chunks, real sglang 0.5.23 input preparation on {torch.get_num_threads()} "
-          f"CPU thread(s), width {WIDTH}, {span_tokens(GRID)} tokens per image, group of "
+          f"CPU thread(s), width {args.width}, {span_tokens(GRID)} tokens per image, group of "
           f"{args.world}; median over {args.phases} x {args.rounds} blocks of {BLOCK} chunks "
           "per variant (CPU time of this thread)")
     print(f"{'images':>6} {'stock us':>9} {'hooks us':>9} {'plugin us':>9} {'new req us':>10} "
@@ -165,7 +171,7 @@ def main():
           f"{'in place us':>11} {'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} "
           f"{'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
-        model, input_ids, make_batch = build(images)
+        model, input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
         batches = [make_batch() for _ in range(BLOCK)]
         times = {key: [] for key in ("stock", "hooks", "plugin", "new_req", "routing",
@@ -195,9 +201,12 @@ def main():
         def block(variant):
             for batch in batches:
                 batch.mm_input_embeds = None
-                if variant == "new_req":  # a new request object with the same items
-                    batch.mm_inputs = [MultimodalInputs(mm_items=list(seen_request.mm_items),
-                                                        im_token_id=IMAGE_TOKEN_ID)]
+                if variant == "new_req":
+                    # A new request with the same images: new objects throughout, as a
+                    # request that arrives from the tokenizer brings (same hashes and
+                    # offsets; the features and model data are shared, unread here).
+                    fresh_items = [msgspec.structs.replace(item) for item in seen_request.mm_items]
+                    batch.mm_inputs = [MultimodalInputs(mm_items=fresh_items, im_token_id=IMAGE_TOKEN_ID)]
                 else:
                     batch.mm_inputs = [seen_request]
             gc.collect()  # the previous block's requests go (their tables with them) untimed

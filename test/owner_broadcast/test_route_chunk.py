@@ -11,6 +11,7 @@ test_adapters.py and test_gloo_group.py.
 from __future__ import annotations
 
 import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -86,17 +87,35 @@ def batch(requests, mode=ForwardMode.EXTEND):
 
 def route(model, *requests):
     """One input preparation through the real OWN-FENCE adapter (routing
-    before, the directory updated after), with stock's body stubbed out."""
-    seen = []
+    before, the directory updated after), with stock's body stubbed out.
+    Returns the chunk's route; checks what the inner hooks see of it."""
+    routed, inside = [], []
+    real_route_chunk = owner_broadcast.route_chunk
+
+    def capture(model, forward_batch):
+        chunk = real_route_chunk(model, forward_batch)
+        routed.append(chunk)
+        return chunk
 
     def prepare(model, input_ids, forward_batch, *args):
         chunk = owner_broadcast.active_chunk()
-        seen.append(chunk)
+        inside.append(chunk)
         if chunk is not None and chunk.session is not None:
             chunk.session.features_ready()  # what the text-embedding hook does
 
-    owner_broadcast.around_prepare_language_model_inputs(prepare, model, None, batch(list(requests)))
-    return seen[0]
+    owner_broadcast.route_chunk = capture
+    try:
+        owner_broadcast.around_prepare_language_model_inputs(prepare, model, None, batch(list(requests)))
+    finally:
+        owner_broadcast.route_chunk = real_route_chunk
+    chunk = routed[0]
+    if chunk is None or chunk.route is Route.KNOWN:
+        # nothing for the inner hooks to do: they see no chunk at all
+        assert inside == [None]
+    else:
+        assert inside == [chunk]
+    assert owner_broadcast.active_chunk() is None  # reset after the preparation
+    return chunk
 
 
 def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
@@ -106,12 +125,12 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
     first = route(model, (mm, 0, 15))  # tokens 0..14: the first image only
     assert first.route is Route.NOT_WORTH and first.session is None  # cold: stock encode
     assert first.spans == [ChunkSpan(11, 10, (4, 4))]
-    table = router.requests.get(mm)
-    assert table is not None
+    table = mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]  # kept on the request itself
+    assert table.source[0] is mm.mm_items
 
     second = route(model, (mm, 15, 15))  # tokens 15..29: the second image
     assert second.spans == [ChunkSpan(22, 6, (2, 3))] and second.route is Route.NOT_WORTH
-    assert router.requests.get(mm) is table  # built once for the request
+    assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is table  # built once for the request
 
     again = route(model, (mm, 0, 30))  # the whole prompt again: both recorded
     assert again.route is Route.KNOWN and len(again.spans) == 2
@@ -142,13 +161,34 @@ def test_text_and_decode_batches_are_not_routed(model):
 
 
 def test_tables_leave_with_their_requests(model):
-    router = model.mm_owner_router
     requests = [MultimodalInputs(mm_items=[image(100 + i, 0, 8)], im_token_id=99) for i in range(5)]
     route(model, *[(mm, 0, 8) for mm in requests])
-    assert len(router.requests) == 5
+    tables = [weakref.ref(mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]) for mm in requests]
+    assert all(ref() is not None for ref in tables)
     del requests
     gc.collect()
-    assert len(router.requests) == 0
+    # nothing of the router's (or the hooks') holds a finished request's table
+    assert [ref() for ref in tables] == [None] * 5
+
+
+def test_a_table_known_to_one_router_is_not_known_to_another(model):
+    # Two routers (two models over the same requests) never read each
+    # other's known epoch as their own.
+    mm = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
+    route(model, (mm, 0, 15))
+    assert route(model, (mm, 0, 15)).route is Route.KNOWN
+    table = mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]
+    assert table.known_epoch == model.mm_owner_router.directory.epoch
+    model.mm_owner_router = OwnerRouter(2, RoutingPolicy(min_saving=10**9), SpanDirectory(0), row_bytes=4)
+    assert route(model, (mm, 0, 15)).route is Route.NOT_WORTH  # the new directory never saw it
+
+
+def test_pin_multimodal_inputs_keep_an_instance_dict():
+    # The per-request table lives in the MultimodalInputs instance dict; a
+    # release that takes the dict away must stop the model build, not crash
+    # the first image chunk (attach_owner_path checks the same thing).
+    assert hasattr(MultimodalInputs(mm_items=[]), "__dict__")
+    owner_broadcast._require_request_tables()
 
 
 def test_pin_merging_media_builds_a_new_item_list():

@@ -6,7 +6,6 @@ equal on every rank) is in test_gloo_group.py and test_adapters.py.
 
 from __future__ import annotations
 
-import gc
 import random
 from collections import OrderedDict
 
@@ -24,7 +23,6 @@ from sglang_dsv41.core.owner_routing import (
     ItemMeta,
     OwnerRouter,
     RequestImages,
-    RequestMemo,
     Route,
     RoutingPolicy,
     SpanDirectory,
@@ -332,7 +330,8 @@ def test_known_requests_skip_lookups_until_the_directory_evicts():
     r.completed(list(a.spans))
     assert a.known_epoch == -1  # learned on the next chunk, not assumed
     assert r.route_requests([a], [0], [20])[0] is Route.KNOWN
-    assert a.known_epoch == r.directory.epoch == 0
+    assert a.known_epoch == r.directory.epoch
+    first_epoch = r.directory.epoch
     # a chunk of the first image only: known without a lookup per span
     lookups = []
 
@@ -348,7 +347,7 @@ def test_known_requests_skip_lookups_until_the_directory_evicts():
     assert list(r.directory._entries)[-1] == ChunkSpan(1, 10, (4, 4))
     # an eviction moves the epoch: the next chunk of `a` looks again
     r.completed(list(b.spans) * 9 + [ChunkSpan(4, 90, ())])
-    assert r.directory.epoch == 1 and ChunkSpan(1, 10, (4, 4)) not in r.directory
+    assert r.directory.epoch != first_epoch and ChunkSpan(1, 10, (4, 4)) not in r.directory
     assert r.route_requests([a], [0], [20])[0] is not Route.KNOWN
 
 
@@ -363,28 +362,31 @@ def test_a_request_known_only_in_part_is_not_remembered_as_known():
     assert r.route_requests([request], [20], [20])[0] is Route.NOT_WORTH
 
 
-def test_request_memo_holds_weakly_and_checks_identity():
-    class Request:  # stands for sglang's MultimodalInputs
-        pass
+def test_directory_epochs_are_unique_in_the_process():
+    # A table's known epoch is only ever equal to the epoch of the directory
+    # that set it, so tables can be shared between routers.
+    first, second = SpanDirectory(10), SpanDirectory(10)
+    assert first.epoch != second.epoch
+    seen = {first.epoch, second.epoch}
+    for _ in range(3):
+        first.record([ChunkSpan(1, 8, ()), ChunkSpan(2, 8, ())], 1)  # 16 bytes > 10: evicts
+        assert first.epoch not in seen
+        seen.add(first.epoch)
 
-    memo = RequestMemo()
-    first, second = Request(), Request()
-    memo.put(first, "table-1")
-    assert memo.get(first) == "table-1" and memo.get(second) is None
-    del first
-    gc.collect()
-    assert len(memo) == 0  # dropped with its request
-    # a recycled id never returns another object's table
-    objects = [Request() for _ in range(200)]
-    for index, obj in enumerate(objects):
-        memo.put(obj, index)
-    ids = {id(obj): index for index, obj in enumerate(objects)}
-    del objects, obj
-    gc.collect()
-    assert len(memo) == 0
-    reused = [Request() for _ in range(200)]
-    assert any(id(obj) in ids for obj in reused)  # CPython hands the addresses out again
-    assert all(memo.get(obj) is None for obj in reused)
+
+def test_single_and_multi_item_tables_agree():
+    # one item takes a direct construction; it must equal the general one
+    one = RequestImages([meta(3, 12, content_hash=9)])
+    two = RequestImages([meta(3, 12, content_hash=9), meta(3, 12, content_hash=9)])
+    assert one.spans == two.spans == one.all_keys == (ChunkSpan(9, 10, (4, 4)),)
+    assert (one.max_start, one.min_end) == (two.max_start, two.min_end) == (3, 12)
+    assert one.items == two.items[:1]
+    precomputed = RequestImages([meta(3, 12, precomputed=True)])
+    assert precomputed.precomputed and gather_spans([precomputed], [0], [20]) == ([], [])
+    for items in ([ItemMeta(offsets=[], content_hash=1)], [ItemMeta(offsets=[(0, 1), (4, 5)], content_hash=1)]):
+        table = RequestImages(items)  # not a one-run item: the whole-request path, no span
+        assert table.items == table.spans == table.all_keys == () and not table.precomputed
+        assert gather_spans([table], [0], [20]) == ([], [])
 
 
 def test_a_known_request_covers_every_item_s_key_not_only_the_first_per_hash():

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import weakref
+import itertools
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -63,6 +63,8 @@ DEFAULT_PER_IMAGE_COST = 4096
 DEFAULT_MIN_SAVING = 4096
 
 MODES = ("auto", "guarded", "always")
+
+_EPOCHS = itertools.count()  # SpanDirectory epochs, unique in the process
 
 # (content hash, span length in tokens, ViT grid): what identifies a span.
 DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
@@ -125,23 +127,33 @@ class RequestImages:
     """
 
     __slots__ = (
-        "precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch", "source"
+        "precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch",
+        "source", "__weakref__",
     )
 
-    def __init__(self, items: Iterable[ItemMeta], source: object = None):
+    def __init__(self, items: Sequence[ItemMeta], source: object = None):
         # ``source``: what the table was built from, for the caller to check
         # that it is still the same (the scheduler's item list).
         self.source = source
         self.known_epoch = -1
-        # One pass: this runs on the first chunk of every image request.
+        if len(items) == 1:  # most image requests: the same table, built directly
+            (offsets, precomputed, content_hash, grid), = items
+            self.precomputed = bool(precomputed)
+            if len(offsets) == 1:
+                (start, end), = offsets
+                span = _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))
+                self.items = ((start, end, span),)
+                self.spans = self.all_keys = (span,)
+                self.max_start, self.min_end = start, end
+            else:
+                self.items = self.spans = self.all_keys = ()
+                self.max_start = self.min_end = 0
+            return
+        # One pass over the items, then deduplication only when there are
+        # several: this runs on the first chunk of every image request, and
+        # most requests carry one image.
         precomputed = multi_run = False
         rows = []
-        first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
-        # Every directory key a chunk of this request can name: a chunk that
-        # covers only some items may pick another item's grid for a (hash,
-        # length) than the whole request does.
-        keys: Dict[ChunkSpan, None] = {}
-        max_start, min_end = 0, None
         for offsets, item_precomputed, content_hash, grid in items:
             if item_precomputed:
                 precomputed = True
@@ -151,25 +163,32 @@ class RequestImages:
                 multi_run = True  # the whole request takes another path
                 continue
             (start, end), = offsets
-            span_len = end - start + 1
-            span = _new_tuple(ChunkSpan, (content_hash, span_len, grid))
-            rows.append((start, end, span))
-            keys[span] = None
-            dedup = (content_hash, span_len)
-            if dedup not in first:
-                first[dedup] = span
-            if start > max_start:
-                max_start = start
-            if min_end is None or end < min_end:
-                min_end = end
+            rows.append((start, end, _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))))
         self.precomputed = precomputed
-        if multi_run:
-            rows, first, keys = [], {}, {}
-        self.items = tuple(rows)
-        self.spans = tuple(first.values())
-        self.all_keys = tuple(keys)
-        self.max_start = max_start
-        self.min_end = 0 if min_end is None else min_end
+        if multi_run or not rows:
+            self.items = self.spans = self.all_keys = ()
+            self.max_start = self.min_end = 0
+        elif len(rows) == 1:
+            self.items = tuple(rows)
+            start, end, span = rows[0]
+            self.spans = self.all_keys = (span,)
+            self.max_start, self.min_end = start, end
+        else:
+            self.items = tuple(rows)
+            first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
+            # Every directory key a chunk of this request can name: a chunk
+            # that covers only some items may pick another item's grid for a
+            # (hash, length) than the whole request does.
+            keys: Dict[ChunkSpan, None] = {}
+            for _start, _end, span in rows:
+                keys[span] = None
+                dedup = (span[0], span[1])
+                if dedup not in first:
+                    first[dedup] = span
+            self.spans = tuple(first.values())
+            self.all_keys = tuple(keys)
+            self.max_start = max(row[0] for row in rows)
+            self.min_end = min(row[1] for row in rows)
 
     def spans_in(self, chunk_start: int, chunk_end: int) -> Sequence[ChunkSpan]:
         """The distinct spans overlapping tokens [chunk_start, chunk_end) in
@@ -206,23 +225,31 @@ def gather_spans(
     whole-request path, and an item counts only when its span overlaps the
     tokens this chunk extends.
     """
-    for table in requests:
-        if table is not None and table.precomputed:
-            return [], []  # one precomputed item sends the whole batch another way
     n_prefix, n_extend = len(extend_prefix_lens), len(extend_seq_lens)
     parts = []
     contributors = []
-    for index, table in enumerate(requests):
-        if table is None or not table.items or index >= n_prefix:
+    index = -1
+    for table in requests:  # one pass: this runs on every image chunk
+        index += 1
+        if table is None:
+            continue
+        if table.precomputed:
+            return [], []  # one precomputed item sends the whole batch another way
+        if not table.items or index >= n_prefix:
             continue
         extend_len = extend_seq_lens[index] if index < n_extend else 0
         if extend_len <= 0:
             continue
         chunk_start = extend_prefix_lens[index]
-        found = table.spans_in(chunk_start, chunk_start + extend_len)
-        if found:
-            parts.append(found)
-            contributors.append(table)
+        chunk_end = chunk_start + extend_len
+        if table.min_end >= chunk_start and table.max_start < chunk_end:
+            found = table.spans  # the chunk overlaps every item
+        else:
+            found = table.spans_in(chunk_start, chunk_end)
+            if not found:
+                continue
+        parts.append(found)
+        contributors.append(table)
     if len(parts) == 1:
         return list(parts[0]), contributors
     return _first_per_hash_and_length(span for found in parts for span in found), contributors
@@ -238,43 +265,6 @@ def chunk_spans(
     return gather_spans(tables, extend_prefix_lens, extend_seq_lens)[0]
 
 
-class RequestMemo:
-    """A value per live object, found by identity: tables of the requests the
-    router has seen, dropped when the scheduler drops the request. Objects
-    are held weakly (a request's images must not outlive it here) and checked
-    by identity, so a recycled ``id`` never returns another request's table."""
-
-    def __init__(self):
-        entries: Dict[int, Tuple["weakref.ref", object]] = {}
-        keys_of_refs: Dict[int, int] = {}  # id(weak reference) -> entry key
-
-        def forget(ref):
-            key = keys_of_refs.pop(id(ref), None)
-            entry = entries.get(key)
-            if entry is not None and entry[0] is ref:
-                del entries[key]
-
-        self._entries, self._keys_of_refs, self._forget = entries, keys_of_refs, forget
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, obj) -> object:
-        entry = self._entries.get(id(obj))
-        if entry is not None and entry[0]() is obj:
-            return entry[1]
-        return None
-
-    def put(self, obj, value) -> None:
-        key = id(obj)
-        previous = self._entries.get(key)
-        if previous is not None:  # a rebuilt table for a live object
-            self._keys_of_refs.pop(id(previous[0]), None)
-        ref = weakref.ref(obj, self._forget)
-        self._entries[key] = (ref, value)
-        self._keys_of_refs[id(ref)] = key
-
-
 class SpanDirectory:
     """The spans this group completed recently, least recently used first,
     bounded in bytes like the embedding cache it shadows.
@@ -288,10 +278,12 @@ class SpanDirectory:
         self.capacity_bytes = max(int(capacity_bytes), 0)
         self._entries: "OrderedDict[DirectoryKey, int]" = OrderedDict()
         self.bytes = 0
-        # Advances whenever an entry leaves. Entries only leave by eviction, so
+        # Changes whenever an entry leaves. Entries only leave by eviction, so
         # a set of spans found known at epoch E is still known while the epoch
-        # is E (what RequestImages.known_epoch relies on).
-        self.epoch = 0
+        # is E (what RequestImages.known_epoch relies on). Epochs come from one
+        # process-wide count, so no two directories ever share one: a table
+        # remembered as known by one directory never reads as known to another.
+        self.epoch = next(_EPOCHS)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -329,7 +321,7 @@ class SpanDirectory:
             entries[span] = size
             self.bytes += size
         if self.bytes > self.capacity_bytes and entries:
-            self.epoch += 1
+            self.epoch = next(_EPOCHS)
             while self.bytes > self.capacity_bytes and entries:
                 _key, size = entries.popitem(last=False)
                 self.bytes -= size
@@ -420,9 +412,6 @@ class OwnerRouter:
         # not-worth chunks run in a status-only session (their routes are the
         # same as in "auto")
         self.guards_stock_encodes = policy.mode == "guarded"
-        # Per scheduled request, its RequestImages (known_epoch refers to this
-        # router's directory, so the tables are this router's own).
-        self.requests = RequestMemo()
 
     def route(self, spans: Sequence[ChunkSpan]) -> Route:
         """The route of a chunk with these spans. A ``known`` chunk touches
@@ -447,8 +436,9 @@ class OwnerRouter:
         spans, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
         if not spans or self._always:
             return self.route(spans), spans
-        epoch = self.directory.epoch
-        entries = self.directory._entries
+        directory = self.directory
+        epoch = directory.epoch
+        entries = directory._entries
         for table in contributors:
             if table.known_epoch == epoch:
                 continue
@@ -460,7 +450,9 @@ class OwnerRouter:
                     return self.route(spans), spans
             table.known_epoch = epoch
         self.routes[Route.KNOWN] += 1
-        self.directory.touch(spans)
+        touch = entries.move_to_end
+        for span in spans:
+            touch(span)
         return Route.KNOWN, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:

@@ -25,7 +25,7 @@ import logging
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -46,20 +46,19 @@ from sglang_dsv41.core.owner_routing import (
 
 logger = logging.getLogger(__name__)
 
+_new_tuple = tuple.__new__
+
 ENV_SWITCH = ENV_MODE
 
 
-class ChunkRoute:
+class ChunkRoute(NamedTuple):
     """What the fence decided for one input preparation: the route, the
     chunk's spans, and its session (the owner protocol for ``owner``, a
     status-only one for ``not-worth`` in mode "guarded", none otherwise)."""
 
-    __slots__ = ("route", "spans", "session")
-
-    def __init__(self, route: Route, spans: List[ChunkSpan], session: Optional[OwnerSession]):
-        self.route = route
-        self.spans = spans
-        self.session = session
+    route: Route
+    spans: List[ChunkSpan]
+    session: Optional[OwnerSession]
 
 
 _active_chunk: ContextVar[Optional[ChunkRoute]] = ContextVar(
@@ -228,6 +227,19 @@ def choose_owner_group(model) -> Optional[CoordinatorGroup]:
     return group
 
 
+def _require_request_tables() -> None:
+    """Fail closed at model build when sglang's MultimodalInputs cannot carry
+    the routing's per-request table (a release that gives it __slots__)."""
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+    if not hasattr(MultimodalInputs(mm_items=[]), "__dict__"):
+        raise RuntimeError(
+            "[sglang-dsv41] OWN-FENCE: sglang's MultimodalInputs has no instance dict, "
+            f"so the owner routing cannot keep its per-request table ({TABLE_ATTRIBUTE}); "
+            f"set {ENV_SWITCH}=0 to run without the owner path"
+        )
+
+
 def attach_owner_path(model) -> None:
     """Sets ``model.mm_owner_group`` and ``model.mm_owner_router`` (both None
     when the owner path is off for this model). A bad value in the routing
@@ -236,6 +248,7 @@ def attach_owner_path(model) -> None:
     model.mm_owner_group = group
     model.mm_owner_router = None
     if group is not None:
+        _require_request_tables()
         policy = RoutingPolicy.from_env(os.environ)
         row_bytes = model.config.hidden_size * model.image_start.element_size()
         model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
@@ -251,16 +264,27 @@ def after_model_init(result, model, *args, **kwargs):
 # Session (OWN-FENCE)
 
 
-def _batch_may_have_images(model, forward_batch) -> bool:
-    """The condition under which the model's input preparation embeds images
-    (less the any-request-has-images test, which _request_tables answers)."""
-    if forward_batch.mm_inputs is None or getattr(model, "vision", None) is None:
-        return False
-    mode = forward_batch.forward_mode
-    return not mode.is_decode() and not mode.is_target_verify()
+# Per forward mode, whether the model's input preparation embeds images in
+# it (not in decode or target-verify), from the mode's own predicates: one
+# dict lookup per chunk instead of two method calls.
+_EMBEDS_IN_MODE: dict = {}
+
+
+def _mode_embeds_images(mode) -> bool:
+    embeds = _EMBEDS_IN_MODE.get(mode)
+    if embeds is None:
+        embeds = _EMBEDS_IN_MODE[mode] = not mode.is_decode() and not mode.is_target_verify()
+    return embeds
 
 
 _IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
+
+# Where a request's image table lives: in the instance dict of its
+# MultimodalInputs, so it is found with one lookup on every later chunk and
+# leaves with the request (no registry of ours holds a request alive or has
+# to learn that it died). attach_owner_path checks that the class keeps an
+# instance dict; a test pins it.
+TABLE_ATTRIBUTE = "_sglang_dsv41_image_table"
 
 
 def _grid(height, width) -> tuple:
@@ -271,49 +295,49 @@ def _grid(height, width) -> tuple:
         return ()
 
 
-def _request_images(mm_input) -> RequestImages:
+def _request_images(mm_input, items) -> RequestImages:
     global _IMAGE
     if _IMAGE is None:
         from sglang.srt.managers.schedule_batch import Modality
 
         _IMAGE = Modality.IMAGE
     image = _IMAGE
-    items = mm_input.mm_items
     # (offsets, precomputed, content hash, ViT grid): the fields of the core's
     # ItemMeta, as plain tuples, in one loop (this runs on the first chunk of
     # every image request).
     rows = []
     for item in items:
-        if item is None or item.modality != image:
+        if item is None or item.modality is not image:
             continue
         data = item.model_specific_data
         height, width = data.get("n_vit_h"), data.get("n_vit_w")
         grid = (height, width) if height.__class__ is int and width.__class__ is int else _grid(height, width)
         rows.append((item.offsets or (), item.precomputed_embeddings is not None, item.hash, grid))
-    return RequestImages(rows, source=(items, len(items)))
+    table = RequestImages(rows, (items, len(items)))
+    mm_input.__dict__[TABLE_ATTRIBUTE] = table
+    return table
 
 
-def _request_tables(router: OwnerRouter, forward_batch) -> Optional[List[Optional[RequestImages]]]:
+def _request_tables(mm_inputs) -> Optional[List[Optional[RequestImages]]]:
     """Per request of the batch, its image table (None: a text request), or
     None when no request carries multimodal inputs. A request's table is
     built on its first chunk and reused while its item list is the same
     object of the same length: once a request is scheduled, sglang 0.5.23
     adds media by building a new list (MultimodalInputs.merge) or a new
-    MultimodalInputs (session turns), never by editing items in place."""
-    memo = router.requests
+    MultimodalInputs (session turns), never by editing items in place.
+    A table holds no state of a router's that could be wrong for another:
+    its known epoch names one directory (epochs are unique per process)."""
     tables: List[Optional[RequestImages]] = []
     any_inputs = False
-    for mm_input in forward_batch.mm_inputs:
+    for mm_input in mm_inputs:
         if mm_input is None:
             tables.append(None)
             continue
         any_inputs = True
-        table = memo.get(mm_input)
-        if table is None or table.source[0] is not mm_input.mm_items or table.source[1] != len(
-            mm_input.mm_items
-        ):
-            table = _request_images(mm_input)
-            memo.put(mm_input, table)
+        items = mm_input.mm_items
+        table = mm_input.__dict__.get(TABLE_ATTRIBUTE)
+        if table is None or table.source[0] is not items or table.source[1] != len(items):
+            table = _request_images(mm_input, items)
         tables.append(table)
     return tables if any_inputs else None
 
@@ -363,12 +387,17 @@ def _sync_directory_capacity(router: OwnerRouter) -> None:
 
 def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
     """The route of this input preparation, the same on every rank of the
-    group (it reads only batch metadata, settings and the directory)."""
-    group = getattr(model, "mm_owner_group", None)
+    group (it reads only batch metadata, settings and the directory). None
+    when the chunk embeds no image: no owner path on this model (a router
+    exists only beside a vision tower and a group), a decode or verify
+    batch, or no request with multimodal inputs."""
     router = getattr(model, "mm_owner_router", None)
-    if group is None or router is None or not _batch_may_have_images(model, forward_batch):
+    if router is None:
         return None
-    tables = _request_tables(router, forward_batch)
+    mm_inputs = forward_batch.mm_inputs
+    if mm_inputs is None or not _mode_embeds_images(forward_batch.forward_mode):
+        return None
+    tables = _request_tables(mm_inputs)
     if tables is None:
         return None
     route, spans = router.route_requests(
@@ -382,8 +411,6 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
             len(spans),
             {r.value: n for r, n in router.routes.items() if n},
         )
-    elif logger.isEnabledFor(logging.DEBUG):
-        logger.debug("[sglang-dsv41] owner-broadcast: %d image spans, route %s", len(spans), route.value)
     if route is Route.OWNER:
         session = open_session(model, forward_batch)
     elif route is Route.NOT_WORTH and router.guards_stock_encodes:
@@ -392,7 +419,7 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         session = open_session(model, forward_batch, local_encode=True)
     else:
         session = None
-    return ChunkRoute(route, spans, session)
+    return _new_tuple(ChunkRoute, (route, spans, session))  # no Python-level __new__ per chunk
 
 
 def open_session(model, forward_batch, local_encode: bool = False) -> OwnerSession:
@@ -414,19 +441,26 @@ def around_prepare_language_model_inputs(original, model, input_ids, forward_bat
     """AROUND DeepseekV4ForCausalLM.prepare_language_model_inputs: route the
     chunk; the owner route runs inside the session's fence."""
     chunk = route_chunk(model, forward_batch)
+    if chunk is None:
+        return original(model, input_ids, forward_batch, *args, **kwargs)
+    route = chunk.route
+    if route is Route.KNOWN:
+        # Stock lookups and no session: the inner hooks have nothing to do
+        # (the context variable is unset outside a preparation), and the
+        # routing touched the spans already, so nothing follows either.
+        return original(model, input_ids, forward_batch, *args, **kwargs)
     token = _active_chunk.set(chunk)
     try:
-        if chunk is None or chunk.session is None:
+        if chunk.session is None:
             result = original(model, input_ids, forward_batch, *args, **kwargs)
         else:
             with chunk.session.fence():
                 result = original(model, input_ids, forward_batch, *args, **kwargs)
     finally:
         _active_chunk.reset(token)
-    if chunk is not None and chunk.spans and chunk.route is not Route.KNOWN:
+    if chunk.spans:
         # Reached on every rank or (after an agreed error) on none; a local
         # error on a stock route takes the scheduler down, directory and all.
-        # (A known chunk adds nothing: routing touched its spans already.)
         router = model.mm_owner_router
         _sync_directory_capacity(router)
         router.completed(chunk.spans)
