@@ -225,22 +225,17 @@ def gather_spans(
     whole-request path, and an item counts only when its span overlaps the
     tokens this chunk extends.
     """
-    n_prefix, n_extend = len(extend_prefix_lens), len(extend_seq_lens)
     parts = []
     contributors = []
-    index = -1
-    for table in requests:  # one pass: this runs on every image chunk
-        index += 1
+    # One pass (this runs on every image chunk); a request without both
+    # lengths extends nothing, but its precomputed items still count.
+    for table, chunk_start, extend_len in zip(requests, extend_prefix_lens, extend_seq_lens):
         if table is None:
             continue
         if table.precomputed:
             return [], []  # one precomputed item sends the whole batch another way
-        if not table.items or index >= n_prefix:
+        if extend_len <= 0 or not table.items:
             continue
-        extend_len = extend_seq_lens[index] if index < n_extend else 0
-        if extend_len <= 0:
-            continue
-        chunk_start = extend_prefix_lens[index]
         chunk_end = chunk_start + extend_len
         if table.min_end >= chunk_start and table.max_start < chunk_end:
             found = table.spans  # the chunk overlaps every item
@@ -250,6 +245,11 @@ def gather_spans(
                 continue
         parts.append(found)
         contributors.append(table)
+    paired = min(len(extend_prefix_lens), len(extend_seq_lens))
+    if len(requests) > paired:
+        for table in requests[paired:]:
+            if table is not None and table.precomputed:
+                return [], []
     if len(parts) == 1:
         return list(parts[0]), contributors
     return _first_per_hash_and_length(span for found in parts for span in found), contributors
