@@ -43,6 +43,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
+import operator
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -65,6 +66,10 @@ DEFAULT_MIN_SAVING = 4096
 MODES = ("auto", "guarded", "always")
 
 _EPOCHS = itertools.count()  # SpanDirectory epochs, unique in the process
+
+_hash_and_length = operator.itemgetter(0, 1)  # of a ChunkSpan: what sglang deduplicates by
+_start_of = operator.itemgetter(0)  # of a table row (start, end, span)
+_end_of = operator.itemgetter(1)
 
 # (content hash, span length in tokens, ViT grid): what identifies a span.
 DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
@@ -149,46 +154,38 @@ class RequestImages:
                 self.items = self.spans = self.all_keys = ()
                 self.max_start = self.min_end = 0
             return
-        # One pass over the items, then deduplication only when there are
-        # several: this runs on the first chunk of every image request, and
-        # most requests carry one image.
-        precomputed = multi_run = False
+        # One Python pass over the items (this runs on the first chunk of
+        # every image request); the derived fields are C-level passes.
+        precomputed = False
         rows = []
+        spans = []
         for offsets, item_precomputed, content_hash, grid in items:
             if item_precomputed:
                 precomputed = True
-            if multi_run:
-                continue
             if len(offsets) != 1:
-                multi_run = True  # the whole request takes another path
-                continue
+                rows = None  # a multi-run item: the whole request takes another path
+                break
             (start, end), = offsets
-            rows.append((start, end, _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))))
+            span = _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))
+            rows.append((start, end, span))
+            spans.append(span)
+        if rows is None:
+            # The rest only matters for the precomputed flag.
+            precomputed = precomputed or any(row[1] for row in items)
+            rows = spans = []
         self.precomputed = precomputed
-        if multi_run or not rows:
-            self.items = self.spans = self.all_keys = ()
-            self.max_start = self.min_end = 0
-        elif len(rows) == 1:
-            self.items = tuple(rows)
-            start, end, span = rows[0]
-            self.spans = self.all_keys = (span,)
-            self.max_start, self.min_end = start, end
+        self.items = tuple(rows)
+        # Every directory key a chunk of this request can name: a chunk that
+        # covers only some items may pick another item's grid for a (hash,
+        # length) than the whole request does.
+        self.all_keys = tuple(dict.fromkeys(spans))
+        dedup = list(map(_hash_and_length, spans))
+        if len(set(dedup)) == len(dedup):
+            self.spans = tuple(spans)  # distinct images: every span stands for itself
         else:
-            self.items = tuple(rows)
-            first: Dict[Tuple[Optional[int], int], ChunkSpan] = {}
-            # Every directory key a chunk of this request can name: a chunk
-            # that covers only some items may pick another item's grid for a
-            # (hash, length) than the whole request does.
-            keys: Dict[ChunkSpan, None] = {}
-            for _start, _end, span in rows:
-                keys[span] = None
-                dedup = (span[0], span[1])
-                if dedup not in first:
-                    first[dedup] = span
-            self.spans = tuple(first.values())
-            self.all_keys = tuple(keys)
-            self.max_start = max(row[0] for row in rows)
-            self.min_end = min(row[1] for row in rows)
+            self.spans = tuple(_first_per_hash_and_length(spans))
+        self.max_start = max(map(_start_of, rows), default=0)
+        self.min_end = min(map(_end_of, rows), default=0)
 
     def spans_in(self, chunk_start: int, chunk_end: int) -> Sequence[ChunkSpan]:
         """The distinct spans overlapping tokens [chunk_start, chunk_end) in
@@ -301,9 +298,8 @@ class SpanDirectory:
     def touch(self, spans: Sequence[ChunkSpan]) -> None:
         """Mark spans the directory holds as just used, in order (what the
         embedding cache's lookups do to its own LRU order)."""
-        touch = self._entries.move_to_end
-        for span in spans:
-            touch(span)
+        # any() runs the loop in C; move_to_end returns None, so it visits all.
+        any(map(self._entries.move_to_end, spans))
 
     def record(self, spans: Sequence[ChunkSpan], row_bytes: int) -> None:
         """The group completed these spans (in this order; a span of n tokens
@@ -444,15 +440,12 @@ class OwnerRouter:
                 continue
             # Look up every span of the request (not only this chunk's), so a
             # request found known is remembered and its next chunks skip this.
-            for span in table.all_keys:
-                if span not in entries:
-                    # Not all known: route this chunk's spans one by one.
-                    return self.route(spans), spans
+            if not all(map(entries.__contains__, table.all_keys)):
+                # Not all known: route this chunk's spans one by one.
+                return self.route(spans), spans
             table.known_epoch = epoch
         self.routes[Route.KNOWN] += 1
-        touch = entries.move_to_end
-        for span in spans:
-            touch(span)
+        directory.touch(spans)
         return Route.KNOWN, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:

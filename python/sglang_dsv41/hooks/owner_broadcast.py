@@ -395,7 +395,11 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
     if router is None:
         return None
     mm_inputs = forward_batch.mm_inputs
-    if mm_inputs is None or not _mode_embeds_images(forward_batch.forward_mode):
+    if mm_inputs is None:
+        return None
+    mode = forward_batch.forward_mode
+    embeds = _EMBEDS_IN_MODE.get(mode)
+    if not (_mode_embeds_images(mode) if embeds is None else embeds):
         return None
     tables = _request_tables(mm_inputs)
     if tables is None:
