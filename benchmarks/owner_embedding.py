@@ -16,6 +16,12 @@ preloaded into the cache and recorded in the directory, as an earlier chunk
 of the same images would have left them. `--routing always` sends every
 batch through the protocol (the behaviour before routing).
 
+`--assembly` adds to both variants what every rank then does with the
+chunk's features in sglang (text embedding, spans scattered over their
+placeholder rows; ChunkAssembly): without it a full hit is a bare dict lookup
+per image, far cheaper than any real chunk, and `known` rows overstate what
+the routing adds.
+
 Imports only torch and sglang_dsv41.core (run with PYTHONPATH=python).
 
 Modes
@@ -69,8 +75,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, TorchDistributedGroup
-from sglang_dsv41.core.owner_routing import (ChunkSpan, OwnerRouter, Route, RoutingPolicy, SpanDirectory,
-                                             owner_of)
+from sglang_dsv41.core.owner_routing import (ChunkSpan, OwnerRouter, RequestImages, Route,
+                                             RoutingPolicy, SpanDirectory, owner_of)
 
 PRESETS = {
     # Sized like DeepSeek-V4.1's vision tower and hidden size.
@@ -214,25 +220,60 @@ def chunk_spans(requests):
 
 
 def routed_encode(router, group, requests, cache, encoder, hidden, dtype, device):
-    """What the plugin does: route from the batch alone, then the protocol or
+    """What the plugin does with a chunk: route it from its metadata as
+    OWN-FENCE does on a request's first chunk (the batch as one new request:
+    its items read into a table, the table routed), then the protocol or
     stock's replicated path (with --routing guarded, a not-worth batch runs
     it inside a status-only session: two status rounds; without a group, as
-    in single-gpu mode, the caller adds them); record the spans. Returns the
-    route."""
-    spans = chunk_spans(requests)
-    route = router.route(spans)
+    in single-gpu mode, the caller adds them); record the spans unless the
+    chunk was known. Returns the route and the features."""
+    rows, start = [], 0
+    for request in requests:
+        # (offsets, precomputed, content hash, grid): ItemMeta's fields as the
+        # plain tuple OWN-FENCE reads each sglang item into
+        end = start + request.span_len
+        rows.append(([(start, end - 1)], False, request.content_hash,
+                     (request.item.grid_h, request.item.grid_w)))
+        start = end
+    route, spans = router.route_requests([RequestImages(rows)], [0], [start])
     if route is Route.OWNER:
-        owner_encode(group, requests, cache, encoder, hidden, dtype, device)
+        features = owner_encode(group, requests, cache, encoder, hidden, dtype, device)
     elif route is Route.NOT_WORTH and group is not None and router.guards_stock_encodes:
         session = OwnerSession(group, device=device, dtype=dtype, width=hidden, request_ids=["bench"],
                                signature=lambda item, n: (item.grid_h, item.grid_w), local_encode=True)
         with session.fence():
-            replicated_encode(requests, cache, encoder)
+            features = replicated_encode(requests, cache, encoder)
             session.features_ready()
     else:
-        replicated_encode(requests, cache, encoder)
-    router.completed(spans)
-    return route
+        features = replicated_encode(requests, cache, encoder)
+    if route is not Route.KNOWN:
+        router.completed(spans)
+    return route, features
+
+
+class ChunkAssembly:
+    """What every rank does with a chunk's image features once they are
+    resolved, cached or not, in either variant: sglang's embed_mm_inputs
+    clamps the chunk's ids, looks the text up and scatters the spans over
+    their placeholder rows. Here: a chunk of the batch's spans plus 64 text
+    tokens, an embedding of VOCAB rows, the spans concatenated and
+    masked-scattered (no TP all-reduce of the text embedding: one process)."""
+
+    VOCAB = 32768
+    TEXT_TOKENS = 64
+
+    def __init__(self, requests, hidden, dtype, device):
+        self.embedding = nn.Embedding(self.VOCAB, hidden).to(device, dtype)
+        placeholder = torch.full((sum(r.span_len for r in requests),), self.VOCAB + 7)
+        text = torch.arange(self.TEXT_TOKENS) % self.VOCAB
+        self.ids = torch.cat([text[:32], placeholder, text[32:]]).to(device)
+        self.keys = [r.key for r in requests]
+
+    def __call__(self, features):
+        ids = self.ids.clone()
+        mask = (ids >= self.VOCAB).unsqueeze(-1)
+        embeds = self.embedding(ids.clamp_(max=self.VOCAB - 1))
+        return embeds.masked_scatter_(mask, torch.cat([features[key] for key in self.keys]))
 
 
 def owner_encode(group, requests, cache, encoder, hidden, dtype, device):
@@ -280,13 +321,17 @@ def group_worker(rank, world, backend, store, args, queue):
                     cache = DictCache()
                     preload(cache, requests, hit_rate, args.hidden, dtype, device)
                     router = make_router(args, world, requests, hit_rate, args.hidden, dtype)
+                    assemble = ChunkAssembly(requests, args.hidden, dtype, device) if args.assembly else None
                     dist.barrier(group=object_group)
                     start = time.perf_counter()
                     if variant == "replicated":
-                        replicated_encode(requests, cache, encoder)
+                        features = replicated_encode(requests, cache, encoder)
                     else:
-                        routes.add(routed_encode(router, group, requests, cache, encoder,
-                                                 args.hidden, dtype, device).value)
+                        route, features = routed_encode(router, group, requests, cache, encoder,
+                                                        args.hidden, dtype, device)
+                        routes.add(route.value)
+                    if assemble is not None:
+                        assemble(features)
                     synchronize(device)
                     elapsed = slowest(time.perf_counter() - start)
                     if iteration >= args.warmup:
@@ -322,13 +367,20 @@ def run_group(args, backend):
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
               f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
               f"hidden={args.hidden} {args.dtype} threads/rank={args.threads} "
-              f"median of {args.iters} batches; time = slowest rank; {policy_text(args)}")
+              f"median of {args.iters} batches; time = slowest rank; {policy_text(args)}; "
+              f"{assembly_text(args)}")
     print(header)
     print(f"{'grid':>7} {'span':>5} {'hits':>5} {'route':>9} {'replicated ms':>14} {'ours ms':>10} "
           f"{'ours/repl':>10}")
     for grid, hit_rate, span_len, route, replicated, ours in rows:
         print(f"{grid[0]:>3}x{grid[1]:<3} {span_len:>5} {hit_rate:>5.2f} {route:>9} "
               f"{replicated * 1e3:>14.3f} {ours * 1e3:>10.3f} {ours / replicated:>10.2f}")
+
+
+def assembly_text(args):
+    if args.assembly:
+        return "both variants include the chunk assembly (--assembly)"
+    return "features only (no chunk assembly)"
 
 
 def policy_text(args):
@@ -443,8 +495,20 @@ def run_single_gpu(args):
             for _ in range(args.iters):
                 caches.append(DictCache())
                 preload(caches[-1], requests, hit_rate, args.hidden, dtype, device)
-            all_misses = time_on(lambda: replicated_encode(requests, caches.pop(), encoder),
-                                 device, args.iters)
+            assemble = ChunkAssembly(requests, args.hidden, dtype, device) if args.assembly else None
+
+            def replicated_chunk():
+                features = replicated_encode(requests, caches.pop(), encoder)
+                if assemble is not None:
+                    assemble(features)
+
+            all_misses = time_on(replicated_chunk, device, args.iters)
+            assembly_time = 0.0
+            if assemble is not None:  # the owner rows are derived: add it to them too
+                resolved = {r.key: torch.zeros(r.span_len, args.hidden, dtype=dtype, device=device)
+                            for r in requests}
+                assemble(resolved)
+                assembly_time = time_on(lambda: assemble(resolved), device, args.iters)
             route = make_router(args, world, requests, hit_rate, args.hidden, dtype).route(
                 chunk_spans(requests))
             routed_stock = None
@@ -458,7 +522,10 @@ def run_single_gpu(args):
 
                 def one_batch():
                     cache, router = states.pop()
-                    routed_encode(router, None, requests, cache, encoder, args.hidden, dtype, device)
+                    _route, features = routed_encode(router, None, requests, cache, encoder,
+                                                     args.hidden, dtype, device)
+                    if assemble is not None:
+                        assemble(features)
 
                 routed_stock = time_on(one_batch, device, args.iters)
             shares = [[r for r in misses if owner_of(r.content_hash, world) == owner] for owner in range(world)]
@@ -481,12 +548,13 @@ def run_single_gpu(args):
             rows.append(dict(key=key, grid=grid, hit_rate=hit_rate, span_len=requests[0].span_len,
                              route=route.value, routed_stock=routed_stock,
                              all_misses=all_misses, max_share=max(share_times), copies=copy_total,
-                             payload_mb=payload_bytes / 2**20,
+                             payload_mb=payload_bytes / 2**20, assembly=assembly_time,
                              largest_share=max(len(s) for s in shares)))
     agreements = measure_agreements(args, plans) if plans else {}
     print(f"mode=single-gpu device={device} group size R={world} (derived) images/batch={args.images} "
           f"encoder: dim={args.dim} heads={args.heads} inter={args.inter} layers={args.layers} "
-          f"hidden={args.hidden} {args.dtype}; median of {args.iters}; {policy_text(args)}")
+          f"hidden={args.hidden} {args.dtype}; median of {args.iters}; {policy_text(args)}; "
+          f"{assembly_text(args)}")
     floor = None
     if device.type == "cuda":
         try:
@@ -505,7 +573,7 @@ def run_single_gpu(args):
         grid = row["grid"]
         if row["routed_stock"] is None:
             agree = agreements[row["key"]]
-            ours = row["max_share"] + row["copies"] + agree
+            ours = row["max_share"] + row["copies"] + agree + row["assembly"]
             detail = (f"{row['max_share'] * 1e3:>12.2f} {row['largest_share']:>4} "
                       f"{row['copies'] * 1e3:>8.3f} {row['payload_mb']:>7.1f} {agree * 1e3:>9.3f}")
         elif row["route"] == "not-worth" and args.routing == "guarded":
@@ -544,6 +612,9 @@ def main():
     parser.add_argument("--per-image-cost", dest="per_image_cost", type=int,
                         default=defaults.per_image_cost)
     parser.add_argument("--min-saving", dest="min_saving", type=int, default=defaults.min_saving)
+    parser.add_argument("--assembly", action="store_true",
+                        help="both variants also assemble the chunk from its features (text "
+                             "embedding, spans scattered over their rows), as every rank does in sglang")
     args = parser.parse_args()
     if args.backend:
         args.mode = args.backend
