@@ -10,18 +10,22 @@ code with no collective. This script times
 real ``embed_mm_inputs`` and per-image scheduling code underneath) on one
 process, for chunks of 1, 8 and 32 cached images:
 
-  stock    the upstream methods, no patch installed
+  stock    the upstream methods, no patch installed, each chunk from one request
+           seen before
+  stock new
+           the same, each chunk from a new request (new MultimodalInputs and
+           new item objects, same hashes and offsets: what a request that
+           arrives from the tokenizer brings), so stock reads cold objects too
   hooks    OWN-FENCE, OWN-TEXT-EMBED and OWN-ENCODE installed (sglang's own
            hook wrappers), the owner path off for this model: the wrappers'
-           own cost
+           own cost (hooks new: the same with new requests)
   plugin   the same hooks, the model's router knowing every span (route
            ``known``), each chunk from a request the router has seen before
            (its per-request table is reused: later chunks of a request, or a
            request retried)
-  new req  the same, each chunk from a new request (new MultimodalInputs and
-           new item objects) holding the same cached images (the table is
-           built on the chunk: the first chunk of a request whose images
-           another request brought in)
+  new req  the same, each chunk from a new request holding the same cached
+           images (the table is built on the chunk: the first chunk of a
+           request whose images another request brought in)
   routing  route_chunk alone (a known chunk needs nothing else), on the same batches
            (seen requests) in a tight loop
   in place route_chunk and the directory update (when the route needs one)
@@ -29,15 +33,17 @@ process, for chunks of 1, 8 and 32 cached images:
            calls: the routing as it runs between the rest of the chunk's code)
 
 in blocks of ten chunks, timed in this thread's CPU time (time spent
-descheduled on a shared machine is left out), in phases: stock blocks, then
-with the patches in, hooks, plugin, new-req and routing blocks taking turns;
-the phases repeat, so drift over the run hits every variant. It prints the
-median per chunk of each; hooks/stock; plugin/hooks and new-req/hooks as the
-median of each block's ratio to the hooks block of its own round (the
-routing's end-to-end cost, drift cancelled as far as pairing can); the
-in-place routing as a share of stock; and the stock spread: how far apart the per-phase medians of
-stock itself land ((max - min) / median), the resolution of the end-to-end
-columns on this machine (the in-place columns time the routing directly). The width is small on
+descheduled on a shared machine is left out), in phases: stock and stock-new
+blocks taking turns, then with the patches in, hooks, hooks-new, plugin,
+new-req and routing blocks taking turns; the phases repeat, so drift over the
+run hits every variant. It prints the median per chunk of each; hooks/stock;
+plugin/hooks and new-req/hooks-new as the median of each block's ratio to the
+block of its own round that ran the same kind of request with the owner path
+off (the routing's end-to-end cost, drift cancelled as far as pairing can);
+the in-place routing as a share of stock (new requests: of stock new); and the
+stock spread: how far apart the per-phase medians of stock itself land
+((max - min) / median), the resolution of the end-to-end columns on this
+machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
 is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
 7168-wide rows, which only adds to the stock side); ``--width 7168`` runs the
@@ -67,6 +73,7 @@ GRID = (32, 32)  # ViT patches; downsample 2 -> 16 x 17 + 2 = 274 tokens
 RATIO = 2
 PATCHES = ("OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
 BLOCK = 10  # chunks per timed block
+FRESH = ("stock_new", "hooks_new", "new_req")  # variants whose chunks come from new requests
 
 
 def span_tokens(grid):
@@ -166,15 +173,15 @@ def main():
           f"CPU thread(s), width {args.width}, {span_tokens(GRID)} tokens per image, group of "
           f"{args.world}; median over {args.phases} x {args.rounds} blocks of {BLOCK} chunks "
           "per variant (CPU time of this thread)")
-    print(f"{'images':>6} {'stock us':>9} {'hooks us':>9} {'plugin us':>9} {'new req us':>10} "
-          f"{'hooks/stock':>11} {'plugin/hooks':>12} {'new req/hooks':>13} {'routing us':>10} "
+    print(f"{'images':>6} {'stock us':>9} {'stock new':>10} {'hooks us':>9} {'plugin us':>9} "
+          f"{'new req us':>10} {'hooks/stock':>11} {'plugin/hooks':>12} {'new/hooks new':>13} {'routing us':>10} "
           f"{'in place us':>11} {'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} "
           f"{'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
         batches = [make_batch() for _ in range(BLOCK)]
-        times = {key: [] for key in ("stock", "hooks", "plugin", "new_req", "routing",
+        times = {key: [] for key in ("stock", "stock_new", "hooks", "hooks_new", "plugin", "new_req", "routing",
                                      "in_place", "in_place_new")}
         in_place = [0.0]  # routing CPU time spent inside the current plugin block
         seen_request = batches[0].mm_inputs[0]
@@ -201,7 +208,7 @@ def main():
         def block(variant):
             for batch in batches:
                 batch.mm_input_embeds = None
-                if variant == "new_req":
+                if variant in FRESH:
                     # A new request with the same images: new objects throughout, as a
                     # request that arrives from the tokenizer brings (same hashes and
                     # offsets; the features and model data are shared, unread here).
@@ -237,6 +244,7 @@ def main():
             for _ in range(args.phases):
                 for _ in range(args.rounds):
                     block("stock")
+                    block("stock_new")
                 with patches_installed(*PATCHES):
                     real_route, real_completed = owner_broadcast.route_chunk, router.completed
                     owner_broadcast.route_chunk = timed(real_route)
@@ -246,6 +254,7 @@ def main():
                             # patches on, owner path off for this model
                             model.mm_owner_group, model.mm_owner_router = None, None
                             block("hooks")
+                            block("hooks_new")
                             model.mm_owner_group = SimpleNamespace(world_size=args.world)
                             model.mm_owner_router = router
                             block("plugin")
@@ -256,22 +265,24 @@ def main():
                         del router.completed  # back to the class's method
         assert model.encoder_calls == 0
         assert router.routes[owner_broadcast.Route.KNOWN] >= 3 * args.rounds * BLOCK
-        stock, hooks, plugin, new_req, routing, placed, placed_new = (
+        stock, stock_new, hooks, plugin, new_req, routing, placed, placed_new = (
             statistics.median(times[k]) * 1e6
-            for k in ("stock", "hooks", "plugin", "new_req", "routing", "in_place", "in_place_new"))
-        # Each plugin / new-req block against the hooks block of its round.
+            for k in ("stock", "stock_new", "hooks", "plugin", "new_req", "routing", "in_place",
+                      "in_place_new"))
+        # Each plugin / new-req block against the hooks block of its round
+        # that ran the same kind of request.
         plugin_paired, new_paired = (
-            statistics.median(v / h for v, h in zip(times[k], times["hooks"]))
-            for k in ("plugin", "new_req"))
+            statistics.median(v / h for v, h in zip(times[k], times[base]))
+            for k, base in (("plugin", "hooks"), ("new_req", "hooks_new")))
         # How far apart the phases of one variant land: differences smaller
         # than this are below what this machine can resolve.
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
                          for i in range(0, len(times["stock"]), args.rounds)]
         spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
-        print(f"{images:>6} {stock:>9.1f} {hooks:>9.1f} {plugin:>9.1f} {new_req:>10.1f} "
-              f"{hooks / stock:>11.3f} {plugin_paired:>12.3f} {new_paired:>13.3f} "
+        print(f"{images:>6} {stock:>9.1f} {stock_new:>10.1f} {hooks:>9.1f} {plugin:>9.1f} "
+              f"{new_req:>10.1f} {hooks / stock:>11.3f} {plugin_paired:>12.3f} {new_paired:>13.3f} "
               f"{routing:>10.1f} {placed:>11.1f} {placed_new:>12.1f} {placed / stock:>13.3f} "
-              f"{placed_new / stock:>14.3f} {spread:>12.2f}", flush=True)
+              f"{placed_new / stock_new:>14.3f} {spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

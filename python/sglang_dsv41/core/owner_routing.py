@@ -222,6 +222,18 @@ def gather_spans(
     whole-request path, and an item counts only when its span overlaps the
     tokens this chunk extends.
     """
+    if len(requests) == 1 and len(extend_prefix_lens) == 1 and len(extend_seq_lens) == 1:
+        # A chunk of one request (the usual image chunk): the loop below for
+        # that case, without its bookkeeping.
+        table = requests[0]
+        if table is None or table.precomputed or not table.items or extend_seq_lens[0] <= 0:
+            return [], []
+        chunk_start = extend_prefix_lens[0]
+        chunk_end = chunk_start + extend_seq_lens[0]
+        if table.min_end >= chunk_start and table.max_start < chunk_end:
+            return list(table.spans), [table]
+        found = table.spans_in(chunk_start, chunk_end)
+        return (list(found), [table]) if found else ([], [])
     parts = []
     contributors = []
     # One pass (this runs on every image chunk); a request without both
