@@ -183,12 +183,20 @@ def test_a_table_known_to_one_router_is_not_known_to_another(model):
     assert route(model, (mm, 0, 15)).route is Route.NOT_WORTH  # the new directory never saw it
 
 
-def test_pin_multimodal_inputs_keep_an_instance_dict():
+def test_a_class_without_an_instance_dict_stops_the_build(monkeypatch):
     # The per-request table lives in the MultimodalInputs instance dict; a
     # release that takes the dict away must stop the model build, not crash
-    # the first image chunk (attach_owner_path checks the same thing).
-    assert hasattr(MultimodalInputs(mm_items=[]), "__dict__")
-    owner_broadcast._require_request_tables()
+    # the first image chunk. (test/upstream_pins pins that 0.5.23 has one.)
+    from sglang.srt.managers import schedule_batch
+
+    owner_broadcast._require_request_tables()  # 0.5.23: fine
+
+    class SlottedInputs:
+        __slots__ = ("mm_items",)
+
+    monkeypatch.setattr(schedule_batch, "MultimodalInputs", SlottedInputs)
+    with pytest.raises(RuntimeError, match="OWN-FENCE.*no instance dict.*SGLANG_DSV41_OWNER_BROADCAST=0"):
+        owner_broadcast._require_request_tables()
 
 
 def test_pin_merging_media_builds_a_new_item_list():

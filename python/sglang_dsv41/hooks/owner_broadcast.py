@@ -232,7 +232,7 @@ def _require_request_tables() -> None:
     the routing's per-request table (a release that gives it __slots__)."""
     from sglang.srt.managers.schedule_batch import MultimodalInputs
 
-    if not hasattr(MultimodalInputs(mm_items=[]), "__dict__"):
+    if not MultimodalInputs.__dictoffset__:  # instances carry no __dict__
         raise RuntimeError(
             "[sglang-dsv41] OWN-FENCE: sglang's MultimodalInputs has no instance dict, "
             f"so the owner routing cannot keep its per-request table ({TABLE_ATTRIBUTE}); "
