@@ -270,10 +270,8 @@ def after_model_init(result, model, *args, **kwargs):
 _EMBEDS_IN_MODE: dict = {}
 
 
-def _mode_embeds_images(mode) -> bool:
-    embeds = _EMBEDS_IN_MODE.get(mode)
-    if embeds is None:
-        embeds = _EMBEDS_IN_MODE[mode] = not mode.is_decode() and not mode.is_target_verify()
+def _learn_mode(mode) -> bool:
+    embeds = _EMBEDS_IN_MODE[mode] = not mode.is_decode() and not mode.is_target_verify()
     return embeds
 
 
@@ -399,7 +397,7 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         return None
     mode = forward_batch.forward_mode
     embeds = _EMBEDS_IN_MODE.get(mode)
-    if not (_mode_embeds_images(mode) if embeds is None else embeds):
+    if not (_learn_mode(mode) if embeds is None else embeds):
         return None
     tables = _request_tables(mm_inputs)
     if tables is None:
