@@ -126,7 +126,7 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
     assert first.route is Route.NOT_WORTH and first.session is None  # cold: stock encode
     assert first.spans == [ChunkSpan(11, 10, (4, 4))]
     table = mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]  # kept on the request itself
-    assert table.source[0] is mm.mm_items
+    assert table.source is mm.mm_items and table.source_len == 2
 
     second = route(model, (mm, 15, 15))  # tokens 15..29: the second image
     assert second.spans == [ChunkSpan(22, 6, (2, 3))] and second.route is Route.NOT_WORTH

@@ -133,13 +133,15 @@ class RequestImages:
 
     __slots__ = (
         "precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch",
-        "source", "__weakref__",
+        "source", "source_len", "__weakref__",
     )
 
-    def __init__(self, items: Sequence[ItemMeta], source: object = None):
-        # ``source``: what the table was built from, for the caller to check
-        # that it is still the same (the scheduler's item list).
+    def __init__(self, items: Sequence[ItemMeta], source: object = None, source_len: int = 0):
+        # ``source``, ``source_len``: what the table was built from, for the
+        # caller to check that it is still the same (the scheduler's item
+        # list and its length).
         self.source = source
+        self.source_len = source_len
         self.known_epoch = -1
         if len(items) == 1:  # most image requests: the same table, built directly
             (offsets, precomputed, content_hash, grid), = items
@@ -457,7 +459,7 @@ class OwnerRouter:
                 return self.route(spans), spans
             table.known_epoch = epoch
         self.routes[Route.KNOWN] += 1
-        directory.touch(spans)
+        any(map(entries.move_to_end, spans))  # directory.touch(spans), inline: every known chunk
         return Route.KNOWN, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:

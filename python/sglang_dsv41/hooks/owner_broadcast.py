@@ -293,27 +293,12 @@ def _grid(height, width) -> tuple:
         return ()
 
 
-def _request_images(mm_input, items) -> RequestImages:
+def _image_modality():
     global _IMAGE
-    if _IMAGE is None:
-        from sglang.srt.managers.schedule_batch import Modality
+    from sglang.srt.managers.schedule_batch import Modality
 
-        _IMAGE = Modality.IMAGE
-    image = _IMAGE
-    # (offsets, precomputed, content hash, ViT grid): the fields of the core's
-    # ItemMeta, as plain tuples, in one loop (this runs on the first chunk of
-    # every image request).
-    rows = []
-    for item in items:
-        if item is None or item.modality is not image:
-            continue
-        data = item.model_specific_data
-        height, width = data.get("n_vit_h"), data.get("n_vit_w")
-        grid = (height, width) if height.__class__ is int and width.__class__ is int else _grid(height, width)
-        rows.append((item.offsets or (), item.precomputed_embeddings is not None, item.hash, grid))
-    table = RequestImages(rows, (items, len(items)))
-    mm_input.__dict__[TABLE_ATTRIBUTE] = table
-    return table
+    _IMAGE = Modality.IMAGE
+    return _IMAGE
 
 
 def _request_tables(mm_inputs) -> Optional[List[Optional[RequestImages]]]:
@@ -334,8 +319,24 @@ def _request_tables(mm_inputs) -> Optional[List[Optional[RequestImages]]]:
         any_inputs = True
         items = mm_input.mm_items
         table = mm_input.__dict__.get(TABLE_ATTRIBUTE)
-        if table is None or table.source[0] is not items or table.source[1] != len(items):
-            table = _request_images(mm_input, items)
+        if table is None or table.source is not items or table.source_len != len(items):
+            # The request's first chunk (or a new item list): read its image
+            # items into the core's ItemMeta fields (offsets, precomputed,
+            # content hash, ViT grid), as plain tuples.
+            image = _IMAGE if _IMAGE is not None else _image_modality()
+            rows = []
+            for item in items:
+                if item is None or item.modality is not image:
+                    continue
+                data = item.model_specific_data
+                height, width = data.get("n_vit_h"), data.get("n_vit_w")
+                grid = (
+                    (height, width)
+                    if height.__class__ is int and width.__class__ is int
+                    else _grid(height, width)
+                )
+                rows.append((item.offsets or (), item.precomputed_embeddings is not None, item.hash, grid))
+            table = mm_input.__dict__[TABLE_ATTRIBUTE] = RequestImages(rows, items, len(items))
         tables.append(table)
     return tables if any_inputs else None
 
@@ -413,6 +414,8 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
             len(spans),
             {r.value: n for r, n in router.routes.items() if n},
         )
+    if route is Route.KNOWN:
+        return _new_tuple(ChunkRoute, (route, spans, None))  # no Python-level __new__ per chunk
     if route is Route.OWNER:
         session = open_session(model, forward_batch)
     elif route is Route.NOT_WORTH and router.guards_stock_encodes:
@@ -421,7 +424,7 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         session = open_session(model, forward_batch, local_encode=True)
     else:
         session = None
-    return _new_tuple(ChunkRoute, (route, spans, session))  # no Python-level __new__ per chunk
+    return _new_tuple(ChunkRoute, (route, spans, session))
 
 
 def open_session(model, forward_batch, local_encode: bool = False) -> OwnerSession:
