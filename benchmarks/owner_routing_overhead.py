@@ -52,6 +52,7 @@ same chunks at DeepSeek-V4.1's hidden size, still on the CPU.
 Needs sglang 0.5.23 (CPU is enough):
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --width 7168 --rounds 10
+  PYTHONPATH=python python benchmarks/owner_routing_overhead.py --bytecodes
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -153,6 +155,56 @@ def attach_router(model, world):
     assert owner_broadcast.route_chunk(model, batch).route.value == "known"
 
 
+def fresh_request(mm_input):
+    """A new request holding the same images: new MultimodalInputs and new
+    item objects (same hashes and offsets), as a request from the tokenizer
+    brings."""
+    from sglang.srt.managers.schedule_batch import MultimodalInputs
+
+    items = [msgspec.structs.replace(item) for item in mm_input.mm_items]
+    return MultimodalInputs(mm_items=items, im_token_id=IMAGE_TOKEN_ID)
+
+
+def traced(fn, *args):
+    """fn(*args) under a tracer: (bytecode instructions, Python calls) it ran."""
+    counts = [0, 0]
+
+    def tracer(frame, event, _arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[0] += 1
+        elif event == "call":
+            counts[1] += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def count_bytecodes(args):
+    from sglang_dsv41.hooks import owner_broadcast
+
+    print("route_chunk on a full-hit chunk (known route): bytecode instructions and Python calls "
+          "(route_chunk's own included), counted with sys.settrace (opcode events)")
+    print(f"{'images':>6} {'seen req ops':>12} {'calls':>5} {'new req ops':>11} {'calls':>5}")
+    for images in [int(v) for v in args.images.split(",")]:
+        model, _input_ids, make_batch = build(images, args.width)
+        model._bench_batch = make_batch
+        attach_router(model, args.world)
+        batch = make_batch()
+        seen = batch.mm_inputs[0]
+        route = owner_broadcast.route_chunk
+        seen_ops, seen_calls = traced(route, model, batch)
+        batch.mm_inputs = [fresh_request(seen)]
+        new_ops, new_calls = traced(route, model, batch)
+        assert route(model, batch).route is owner_broadcast.Route.KNOWN
+        print(f"{images:>6} {seen_ops:>12} {seen_calls:>5} {new_ops:>11} {new_calls:>5}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", default="1,8,32")
@@ -161,10 +213,14 @@ def main():
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--width", type=int, default=WIDTH,
                         help="embedding width (default %(default)s: stock as cheap as it gets)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="count the bytecode instructions route_chunk runs instead of timing "
+                             "(deterministic: the same on every machine)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-
-    from sglang.srt.managers.schedule_batch import MultimodalInputs
+    if args.bytecodes:
+        count_bytecodes(args)
+        return
 
     from sglang_dsv41.hooks import owner_broadcast
     from sglang_dsv41.testing import patches_installed
@@ -212,8 +268,7 @@ def main():
                     # A new request with the same images: new objects throughout, as a
                     # request that arrives from the tokenizer brings (same hashes and
                     # offsets; the features and model data are shared, unread here).
-                    fresh_items = [msgspec.structs.replace(item) for item in seen_request.mm_items]
-                    batch.mm_inputs = [MultimodalInputs(mm_items=fresh_items, im_token_id=IMAGE_TOKEN_ID)]
+                    batch.mm_inputs = [fresh_request(seen_request)]
                 else:
                     batch.mm_inputs = [seen_request]
             gc.collect()  # the previous block's requests go (their tables with them) untimed
