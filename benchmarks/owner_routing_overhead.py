@@ -185,12 +185,44 @@ def traced(fn, *args):
     return counts
 
 
+def per_call_ns(route, model, batches, seen_batch):
+    """route_chunk timed call by call (perf_counter_ns, collector off): for
+    each new request, its first chunk, then the seen request's chunk. The
+    minimum and the 10th percentile are what a loaded machine's noise
+    leaves alone; each call runs hot (a tight loop), unlike in place."""
+    clock = time.perf_counter_ns
+    new, seen, timer = [], [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for batch in batches:
+            start = clock()
+            route(model, batch)
+            new.append(clock() - start)
+            start = clock()
+            route(model, seen_batch)
+            seen.append(clock() - start)
+            start = clock()
+            timer.append(clock() - start)
+    finally:
+        gc.enable()
+    low = min(timer)  # the clock's own cost, taken off
+
+    def summary(values):
+        values = sorted(values)
+        return values[0] - low, values[len(values) // 10] - low
+
+    return summary(new), summary(seen)
+
+
 def count_bytecodes(args):
     from sglang_dsv41.hooks import owner_broadcast
 
     print("route_chunk on a full-hit chunk (known route): bytecode instructions and Python calls "
-          "(route_chunk's own included), counted with sys.settrace (opcode events)")
-    print(f"{'images':>6} {'seen req ops':>12} {'calls':>5} {'new req ops':>11} {'calls':>5}")
+          "(route_chunk's own included), counted with sys.settrace (opcode events); then the "
+          f"call timed alone, hot, over {args.calls} new requests: minimum and 10th percentile, ns")
+    print(f"{'images':>6} {'seen req ops':>12} {'calls':>5} {'new req ops':>11} {'calls':>5} "
+          f"{'seen min ns':>11} {'seen p10':>8} {'new min ns':>10} {'new p10':>8}")
     for images in [int(v) for v in args.images.split(",")]:
         model, _input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
@@ -202,7 +234,14 @@ def count_bytecodes(args):
         batch.mm_inputs = [fresh_request(seen)]
         new_ops, new_calls = traced(route, model, batch)
         assert route(model, batch).route is owner_broadcast.Route.KNOWN
-        print(f"{images:>6} {seen_ops:>12} {seen_calls:>5} {new_ops:>11} {new_calls:>5}")
+        seen_batch = make_batch()
+        fresh = []
+        for _ in range(args.calls):
+            fresh.append(make_batch())
+            fresh[-1].mm_inputs = [fresh_request(seen)]
+        (new_min, new_p10), (seen_min, seen_p10) = per_call_ns(route, model, fresh, seen_batch)
+        print(f"{images:>6} {seen_ops:>12} {seen_calls:>5} {new_ops:>11} {new_calls:>5} "
+              f"{seen_min:>11} {seen_p10:>8} {new_min:>10} {new_p10:>8}")
 
 
 def main():
@@ -214,8 +253,10 @@ def main():
     parser.add_argument("--width", type=int, default=WIDTH,
                         help="embedding width (default %(default)s: stock as cheap as it gets)")
     parser.add_argument("--bytecodes", action="store_true",
-                        help="count the bytecode instructions route_chunk runs instead of timing "
-                             "(deterministic: the same on every machine)")
+                        help="count the bytecode instructions route_chunk runs (deterministic: the "
+                             "same on every machine) and time it call by call, instead of in place")
+    parser.add_argument("--calls", type=int, default=3000,
+                        help="new requests timed call by call with --bytecodes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bytecodes:

@@ -124,12 +124,12 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
 
     first = route(model, (mm, 0, 15))  # tokens 0..14: the first image only
     assert first.route is Route.NOT_WORTH and first.session is None  # cold: stock encode
-    assert first.spans == [ChunkSpan(11, 10, (4, 4))]
+    assert first.spans == (ChunkSpan(11, 10, (4, 4)),)
     table = mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]  # kept on the request itself
     assert table.source is mm.mm_items and table.source_len == 2
 
     second = route(model, (mm, 15, 15))  # tokens 15..29: the second image
-    assert second.spans == [ChunkSpan(22, 6, (2, 3))] and second.route is Route.NOT_WORTH
+    assert second.spans == (ChunkSpan(22, 6, (2, 3)),) and second.route is Route.NOT_WORTH
     assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is table  # built once for the request
 
     again = route(model, (mm, 0, 30))  # the whole prompt again: both recorded
@@ -143,9 +143,9 @@ def test_chunks_of_one_request_reuse_its_table_and_follow_its_items(model):
 
 def test_a_replaced_item_list_is_read_afresh(model):
     mm = MultimodalInputs(mm_items=[image(11, 2, 10)], im_token_id=99)
-    assert route(model, (mm, 0, 30)).spans == [ChunkSpan(11, 10, (4, 4))]
+    assert route(model, (mm, 0, 30)).spans == (ChunkSpan(11, 10, (4, 4)),)
     mm.mm_items = [image(33, 2, 10)]
-    assert route(model, (mm, 0, 30)).spans == [ChunkSpan(33, 10, (4, 4))]
+    assert route(model, (mm, 0, 30)).spans == (ChunkSpan(33, 10, (4, 4)),)
     # the same list object grown in place is read afresh too
     mm.mm_items.append(image(44, 14, 4))
     spans = route(model, (mm, 0, 30)).spans

@@ -314,7 +314,33 @@ def test_cached_known_routes_match_routing_from_scratch(pool, data, capacity):
         requests = [pool[i] for i in picked]
         route, spans = cached.route_requests([tables[i] for i in picked], prefix_lens, seq_lens)
         expected_spans = reference_spans(requests, prefix_lens, seq_lens)
-        assert spans == expected_spans
+        assert spans == tuple(expected_spans)
+        assert route is fresh.route(expected_spans)
+        cached.completed(spans)
+        fresh.completed(expected_spans)
+        assert cached.directory.digest() == fresh.directory.digest()
+    assert cached.routes == fresh.routes
+
+
+@settings(max_examples=150, deadline=None)
+@given(pool_strategy, st.data(), st.integers(5, 60), st.sampled_from(["auto", "always"]))
+def test_one_request_chunks_route_as_the_general_rules(pool, data, capacity, mode):
+    """route_request (one request's chunk, the hook's usual call) against
+    routing from scratch, with length lists of any length (the batch
+    metadata of one request normally has one pair; zero or two take the
+    general rules) and the routing mode under test."""
+    policy = RoutingPolicy(mode=mode, per_image_cost=1, min_saving=1)
+    cached = OwnerRouter(2, policy, SpanDirectory(capacity), 1)
+    fresh = OwnerRouter(2, policy, SpanDirectory(capacity), 1)
+    tables = [RequestImages(items) for items in pool]
+    for _ in range(data.draw(st.integers(1, 30), label="chunks")):
+        picked = data.draw(st.integers(0, len(pool) - 1), label="request")
+        pairs = data.draw(st.sampled_from([1, 1, 1, 1, 0, 2]), label="length pairs")
+        prefix_lens = data.draw(st.lists(st.integers(0, 70), min_size=pairs, max_size=pairs))
+        seq_lens = data.draw(st.lists(st.integers(-1, 40), min_size=pairs, max_size=pairs))
+        route, spans = cached.route_request(tables[picked], prefix_lens, seq_lens)
+        expected_spans = reference_spans([pool[picked]], prefix_lens, seq_lens)
+        assert spans == tuple(expected_spans)
         assert route is fresh.route(expected_spans)
         cached.completed(spans)
         fresh.completed(expected_spans)
@@ -341,7 +367,7 @@ def test_known_requests_skip_lookups_until_the_directory_evicts():
             return super().__contains__(key)
 
     r.directory._entries = CountedEntries(r.directory._entries)
-    assert r.route_requests([a], [0], [5]) == (Route.KNOWN, [ChunkSpan(1, 10, (4, 4))])
+    assert r.route_requests([a], [0], [5]) == (Route.KNOWN, (ChunkSpan(1, 10, (4, 4)),))
     assert lookups == []
     # ...and the span it used is now the most recently used
     assert list(r.directory._entries)[-1] == ChunkSpan(1, 10, (4, 4))
@@ -399,4 +425,4 @@ def test_a_known_request_covers_every_item_s_key_not_only_the_first_per_hash():
     r.completed(list(request.spans))
     assert r.route_requests([request], [0], [15])[0] is Route.KNOWN
     route, spans = r.route_requests([request], [15], [15])
-    assert spans == [ChunkSpan(1, 10, ())] and route is not Route.KNOWN
+    assert spans == (ChunkSpan(1, 10, ()),) and route is not Route.KNOWN

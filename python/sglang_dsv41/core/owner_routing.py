@@ -86,6 +86,9 @@ class Route(str, enum.Enum):
     OWNER = "owner"  # the owner protocol
 
 
+_KNOWN = Route.KNOWN  # a module global: one lookup on every known chunk
+
+
 class ChunkSpan(NamedTuple):
     """One distinct image span of a chunk, from host-side metadata. The tuple
     is its own directory key (routing runs on every chunk, including full hits
@@ -224,18 +227,6 @@ def gather_spans(
     whole-request path, and an item counts only when its span overlaps the
     tokens this chunk extends.
     """
-    if len(requests) == 1 and len(extend_prefix_lens) == 1 and len(extend_seq_lens) == 1:
-        # A chunk of one request (the usual image chunk): the loop below for
-        # that case, without its bookkeeping.
-        table = requests[0]
-        if table is None or table.precomputed or not table.items or extend_seq_lens[0] <= 0:
-            return [], []
-        chunk_start = extend_prefix_lens[0]
-        chunk_end = chunk_start + extend_seq_lens[0]
-        if table.min_end >= chunk_start and table.max_start < chunk_end:
-            return list(table.spans), [table]
-        found = table.spans_in(chunk_start, chunk_end)
-        return (list(found), [table]) if found else ([], [])
     parts = []
     contributors = []
     # One pass (this runs on every image chunk); a request without both
@@ -438,12 +429,18 @@ class OwnerRouter:
         requests: Sequence[Optional[RequestImages]],
         extend_prefix_lens: Sequence[int],
         extend_seq_lens: Sequence[int],
-    ) -> Tuple[Route, List[ChunkSpan]]:
+    ) -> Tuple[Route, Tuple[ChunkSpan, ...]]:
         """Route a chunk given per request tables (None: no image items):
-        the same route as ``route(gather_spans(...))``, without a lookup per
-        span while the contributing requests are known and nothing left the
-        directory since."""
-        spans, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
+        the same route as ``route(gather_spans(...))``, and the same spans as
+        a tuple, without a lookup per span while the contributing requests are
+        known and nothing left the directory since."""
+        if len(requests) == 1 and requests[0] is not None:
+            return self.route_request(requests[0], extend_prefix_lens, extend_seq_lens)
+        return self._route_tables(requests, extend_prefix_lens, extend_seq_lens)
+
+    def _route_tables(self, requests, extend_prefix_lens, extend_seq_lens):
+        found, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
+        spans = tuple(found)
         if not spans or self._always:
             return self.route(spans), spans
         directory = self.directory
@@ -458,9 +455,43 @@ class OwnerRouter:
                 # Not all known: route this chunk's spans one by one.
                 return self.route(spans), spans
             table.known_epoch = epoch
-        self.routes[Route.KNOWN] += 1
+        self.routes[_KNOWN] += 1
         any(map(entries.move_to_end, spans))  # directory.touch(spans), inline: every known chunk
-        return Route.KNOWN, spans
+        return _KNOWN, spans
+
+    def route_request(
+        self,
+        table: RequestImages,
+        extend_prefix_lens: Sequence[int],
+        extend_seq_lens: Sequence[int],
+    ) -> Tuple[Route, Tuple[ChunkSpan, ...]]:
+        """``route_requests`` for a chunk of one request (the usual image
+        chunk), in one pass: the chunk's spans, the known check and the
+        touch, with nothing built when the chunk covers the whole request."""
+        try:
+            (chunk_start,), (extend_len,) = extend_prefix_lens, extend_seq_lens
+        except ValueError:  # not one length pair: the general rules
+            return self._route_tables((table,), extend_prefix_lens, extend_seq_lens)
+        if table.precomputed or not table.items or extend_len <= 0:
+            return self.route(()), ()
+        chunk_end = chunk_start + extend_len
+        if table.min_end >= chunk_start and table.max_start < chunk_end:
+            spans = table.spans  # the chunk overlaps every item: the table's own tuple
+        else:
+            spans = tuple(table.spans_in(chunk_start, chunk_end))
+            if not spans:
+                return self.route(spans), spans
+        directory = self.directory
+        if table.known_epoch != directory.epoch:  # never set in mode "always"
+            entries = directory._entries
+            if self._always or not all(map(entries.__contains__, table.all_keys)):
+                return self.route(spans), spans
+            # Every span of the request (not only this chunk's) is known: its
+            # next chunks skip the lookups until the directory evicts.
+            table.known_epoch = directory.epoch
+        self.routes[_KNOWN] += 1
+        any(map(directory._entries.move_to_end, spans))  # directory.touch(spans), inline
+        return _KNOWN, spans
 
     def _route(self, spans: Sequence[ChunkSpan]) -> Route:
         if not spans:

@@ -25,7 +25,7 @@ import logging
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,7 +57,7 @@ class ChunkRoute(NamedTuple):
     status-only one for ``not-worth`` in mode "guarded", none otherwise)."""
 
     route: Route
-    spans: List[ChunkSpan]
+    spans: Tuple[ChunkSpan, ...]
     session: Optional[OwnerSession]
 
 
@@ -65,6 +65,7 @@ _active_chunk: ContextVar[Optional[ChunkRoute]] = ContextVar(
     "sglang_dsv41_owner_chunk", default=None
 )
 _decision_logged = False
+_KNOWN = Route.KNOWN  # a module global: one lookup on every chunk
 _fallback_warned = False
 
 
@@ -301,44 +302,51 @@ def _image_modality():
     return _IMAGE
 
 
+def _table_of(mm_input) -> RequestImages:
+    """A request's image table: built on its first chunk and reused while its
+    item list is the same object of the same length. Once a request is
+    scheduled, sglang 0.5.23 adds media by building a new list
+    (MultimodalInputs.merge) or a new MultimodalInputs (session turns), never
+    by editing items in place. A table holds no state of a router's that
+    could be wrong for another: its known epoch names one directory (epochs
+    are unique per process)."""
+    items = mm_input.mm_items
+    table = mm_input.__dict__.get(TABLE_ATTRIBUTE)
+    if table is None or table.source is not items or table.source_len != len(items):
+        table = _build_table(mm_input, items)
+    return table
+
+
+def _build_table(mm_input, items) -> RequestImages:
+    """Read a request's image items into the core's ItemMeta rows and keep
+    the table on the request."""
+    image = _IMAGE if _IMAGE is not None else _image_modality()
+    if len(items) == 1:  # most image requests: no list, no loop
+        item = items[0]
+        rows = (_item_row(item),) if item is not None and item.modality is image else ()
+    else:
+        rows = [_item_row(item) for item in items if item is not None and item.modality is image]
+    table = mm_input.__dict__[TABLE_ATTRIBUTE] = RequestImages(rows, items, len(items))
+    return table
+
+
+def _item_row(item) -> tuple:
+    """One image item as an ItemMeta row (offsets, precomputed, content hash,
+    ViT grid), a plain tuple."""
+    data = item.model_specific_data
+    height, width = data.get("n_vit_h"), data.get("n_vit_w")
+    if height.__class__ is not int or width.__class__ is not int:
+        height_width = _grid(height, width)
+    else:
+        height_width = (height, width)
+    return (item.offsets or (), item.precomputed_embeddings is not None, item.hash, height_width)
+
+
 def _request_tables(mm_inputs) -> Optional[List[Optional[RequestImages]]]:
     """Per request of the batch, its image table (None: a text request), or
-    None when no request carries multimodal inputs. A request's table is
-    built on its first chunk and reused while its item list is the same
-    object of the same length: once a request is scheduled, sglang 0.5.23
-    adds media by building a new list (MultimodalInputs.merge) or a new
-    MultimodalInputs (session turns), never by editing items in place.
-    A table holds no state of a router's that could be wrong for another:
-    its known epoch names one directory (epochs are unique per process)."""
-    tables: List[Optional[RequestImages]] = []
-    any_inputs = False
-    for mm_input in mm_inputs:
-        if mm_input is None:
-            tables.append(None)
-            continue
-        any_inputs = True
-        items = mm_input.mm_items
-        table = mm_input.__dict__.get(TABLE_ATTRIBUTE)
-        if table is None or table.source is not items or table.source_len != len(items):
-            # The request's first chunk (or a new item list): read its image
-            # items into the core's ItemMeta fields (offsets, precomputed,
-            # content hash, ViT grid), as plain tuples.
-            image = _IMAGE if _IMAGE is not None else _image_modality()
-            rows = []
-            for item in items:
-                if item is None or item.modality is not image:
-                    continue
-                data = item.model_specific_data
-                height, width = data.get("n_vit_h"), data.get("n_vit_w")
-                grid = (
-                    (height, width)
-                    if height.__class__ is int and width.__class__ is int
-                    else _grid(height, width)
-                )
-                rows.append((item.offsets or (), item.precomputed_embeddings is not None, item.hash, grid))
-            table = mm_input.__dict__[TABLE_ATTRIBUTE] = RequestImages(rows, items, len(items))
-        tables.append(table)
-    return tables if any_inputs else None
+    None when no request carries multimodal inputs."""
+    tables = [None if mm_input is None else _table_of(mm_input) for mm_input in mm_inputs]
+    return tables if any(table is not None for table in tables) else None
 
 
 def image_span_geometry(config, item, span_len: int):
@@ -400,21 +408,33 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
     embeds = _EMBEDS_IN_MODE.get(mode)
     if not (_learn_mode(mode) if embeds is None else embeds):
         return None
-    tables = _request_tables(mm_inputs)
-    if tables is None:
-        return None
-    route, spans = router.route_requests(
-        tables, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
-    )
+    if len(mm_inputs) == 1:  # a chunk of one request, the usual image chunk
+        mm_input = mm_inputs[0]
+        if mm_input is None:
+            return None
+        items = mm_input.mm_items
+        table = mm_input.__dict__.get(TABLE_ATTRIBUTE)  # _table_of, inline: every chunk
+        if table is None or table.source is not items or table.source_len != len(items):
+            table = _build_table(mm_input, items)
+        route, spans = router.route_request(
+            table, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+        )
+    else:
+        tables = _request_tables(mm_inputs)
+        if tables is None:
+            return None
+        route, spans = router.route_requests(
+            tables, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+        )
     if router.routes[route] == 1 and route is not Route.NO_SPANS:
-        # Once per route and process: which paths this deployment actually takes.
+        # Once per route and router: which paths this deployment actually takes.
         logger.info(
             "[sglang-dsv41] owner-broadcast: first chunk routed '%s' (%d image spans; routes so far %s)",
             route.value,
             len(spans),
             {r.value: n for r, n in router.routes.items() if n},
         )
-    if route is Route.KNOWN:
+    if route is _KNOWN:
         return _new_tuple(ChunkRoute, (route, spans, None))  # no Python-level __new__ per chunk
     if route is Route.OWNER:
         session = open_session(model, forward_batch)
@@ -449,7 +469,7 @@ def around_prepare_language_model_inputs(original, model, input_ids, forward_bat
     if chunk is None:
         return original(model, input_ids, forward_batch, *args, **kwargs)
     route = chunk.route
-    if route is Route.KNOWN:
+    if route is _KNOWN:
         # Stock lookups and no session: the inner hooks have nothing to do
         # (the context variable is unset outside a preparation), and the
         # routing touched the spans already, so nothing follows either.
