@@ -14,8 +14,11 @@ import gc
 import weakref
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("sglang.srt.managers.schedule_batch")
 
@@ -29,7 +32,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 
 from sglang_dsv41.core.owner_routing import (  # noqa: E402
     ChunkSpan,
+    ItemMeta,
     OwnerRouter,
+    RequestImages,
     Route,
     RoutingPolicy,
     SpanDirectory,
@@ -150,6 +155,65 @@ def test_a_replaced_item_list_is_read_afresh(model):
     mm.mm_items.append(image(44, 14, 4))
     spans = route(model, (mm, 0, 30)).spans
     assert [span.content_hash for span in spans] == [33, 44]
+
+
+def reference_meta(item):
+    """An item's routing fields read one by one, as the core's ItemMeta
+    documents them (what the hooks' single reading loop must reproduce)."""
+    data = item.model_specific_data
+    try:
+        grid = (int(data.get("n_vit_h")), int(data.get("n_vit_w")))
+    except (TypeError, ValueError):
+        grid = ()
+    return ItemMeta(offsets=item.offsets or (), precomputed=item.precomputed_embeddings is not None,
+                    content_hash=item.hash, grid=grid)
+
+
+def odd_item(draw):
+    """A real MultimodalDataItem with the shapes sglang's metadata can take."""
+    modality = draw(st.sampled_from([Modality.IMAGE] * 5 + [Modality.VIDEO, Modality.AUDIO]))
+    start = draw(st.integers(0, 50))
+    length = draw(st.integers(1, 12))
+    offsets = draw(st.sampled_from(["one", "one", "one", "one", "none", "empty", "two"]))
+    offsets = {
+        "one": [(start, start + length - 1)],
+        "none": None,
+        "empty": [],
+        "two": [(start, start + length - 1), (start + 30, start + 30 + length - 1)],
+    }[offsets]
+    precomputed = draw(st.sampled_from([False] * 6 + [True]))
+    item = MultimodalDataItem(
+        modality=modality,
+        feature=None if precomputed else torch.zeros(1),
+        precomputed_embeddings=torch.zeros(1) if precomputed else None,
+        offsets=offsets,
+    )
+    item.set_hash(draw(st.sampled_from([1, 2, 3, 10**18 + 9])))
+    grid = draw(st.sampled_from(["ints", "ints", "ints", "missing", "numpy", "text", "junk"]))
+    if grid == "ints":
+        item.model_specific_data.update(n_vit_h=draw(st.integers(1, 4)), n_vit_w=draw(st.integers(1, 4)))
+    elif grid == "numpy":
+        item.model_specific_data.update(n_vit_h=np.int64(2), n_vit_w=np.int64(3))
+    elif grid == "text":
+        item.model_specific_data.update(n_vit_h="2", n_vit_w="4")
+    elif grid == "junk":
+        item.model_specific_data.update(n_vit_h="x", n_vit_w=None)
+    return item
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_hooks_read_items_as_the_core_documents(data):
+    items = data.draw(st.lists(st.builds(lambda: None) | st.composite(lambda draw: odd_item(draw))(),
+                               max_size=5))
+    mm = MultimodalInputs(mm_items=items, im_token_id=99)
+    table = owner_broadcast._build_table(mm, mm.mm_items)
+    expected = RequestImages([reference_meta(item) for item in items
+                              if item is not None and item.modality is Modality.IMAGE])
+    fields = ("precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch")
+    assert [getattr(table, f) for f in fields] == [getattr(expected, f) for f in fields]
+    assert table.source is mm.mm_items and table.source_len == len(items)
+    assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is table
 
 
 def test_text_and_decode_batches_are_not_routed(model):

@@ -67,9 +67,10 @@ MODES = ("auto", "guarded", "always")
 
 _EPOCHS = itertools.count()  # SpanDirectory epochs, unique in the process
 
-_hash_and_length = operator.itemgetter(0, 1)  # of a ChunkSpan: what sglang deduplicates by
+_content_hash_of = operator.itemgetter(0)  # of a ChunkSpan
 _start_of = operator.itemgetter(0)  # of a table row (start, end, span)
 _end_of = operator.itemgetter(1)
+_span_of = operator.itemgetter(2)
 
 # (content hash, span length in tokens, ViT grid): what identifies a span.
 DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
@@ -77,6 +78,7 @@ DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
 # NamedTuple construction runs a Python-level __new__; on the per-chunk path
 # the tuple constructor is called directly (same object, a third of the cost).
 _new_tuple = tuple.__new__
+_new_object = object.__new__
 
 
 class Route(str, enum.Enum):
@@ -112,6 +114,14 @@ class ChunkSpan(NamedTuple):
         return self.span_len  # no grid: tokens are the next best proxy
 
 
+def span_of_run(content_hash: Optional[int], start: int, end: int, grid: Tuple[int, ...]) -> ChunkSpan:
+    """The span of an item whose only run covers tokens start..end (sglang's
+    offsets are inclusive). Callers that read items in a loop of their own
+    inline this expression (a call per item is a measurable share of a new
+    request's first chunk); the table tests hold them to it."""
+    return _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))
+
+
 class ItemMeta(NamedTuple):
     """The host-side facts about one image item that the routing needs (a
     tuple: one is built per image per chunk)."""
@@ -143,51 +153,59 @@ class RequestImages:
         # ``source``, ``source_len``: what the table was built from, for the
         # caller to check that it is still the same (the scheduler's item
         # list and its length).
-        self.source = source
-        self.source_len = source_len
-        self.known_epoch = -1
-        if len(items) == 1:  # most image requests: the same table, built directly
-            (offsets, precomputed, content_hash, grid), = items
-            self.precomputed = bool(precomputed)
-            if len(offsets) == 1:
-                (start, end), = offsets
-                span = _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))
-                self.items = ((start, end, span),)
-                self.spans = self.all_keys = (span,)
-                self.max_start, self.min_end = start, end
-            else:
-                self.items = self.spans = self.all_keys = ()
-                self.max_start = self.min_end = 0
-            return
-        # One Python pass over the items (this runs on the first chunk of
-        # every image request); the derived fields are C-level passes.
-        precomputed = False
         rows = []
-        spans = []
+        precomputed = False
+        one_run = True
         for offsets, item_precomputed, content_hash, grid in items:
             if item_precomputed:
                 precomputed = True
             if len(offsets) != 1:
-                rows = None  # a multi-run item: the whole request takes another path
-                break
+                one_run = False  # a multi-run item: the whole request takes another path
+                continue
             (start, end), = offsets
-            span = _new_tuple(ChunkSpan, (content_hash, end - start + 1, grid))
-            rows.append((start, end, span))
-            spans.append(span)
-        if rows is None:
-            # The rest only matters for the precomputed flag.
-            precomputed = precomputed or any(row[1] for row in items)
-            rows = spans = []
-        self.precomputed = precomputed
+            rows.append((start, end, span_of_run(content_hash, start, end, grid)))
+        self._fill(rows if one_run else (), precomputed, source, source_len)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Tuple[int, int, ChunkSpan]],
+        precomputed: bool,
+        source: object = None,
+        source_len: int = 0,
+    ) -> "RequestImages":
+        """The table of a request whose items the caller has read itself:
+        ``rows`` holds (start, end, ``span_of_run(...)``) per image item in
+        item order, or nothing when an item has several runs (or none);
+        ``precomputed``: whether any item carries precomputed embeddings.
+        The same table as ``RequestImages`` of the items' ``ItemMeta``, with
+        no Python step per item beyond the caller's own read."""
+        table = _new_object(cls)
+        table._fill(rows, precomputed, source, source_len)
+        return table
+
+    def _fill(self, rows, precomputed, source, source_len) -> None:
+        self.source = source
+        self.source_len = source_len
+        self.known_epoch = -1
+        self.precomputed = bool(precomputed)
         self.items = tuple(rows)
-        # Every directory key a chunk of this request can name: a chunk that
-        # covers only some items may pick another item's grid for a (hash,
-        # length) than the whole request does.
-        self.all_keys = tuple(dict.fromkeys(spans))
-        dedup = list(map(_hash_and_length, spans))
-        if len(set(dedup)) == len(dedup):
-            self.spans = tuple(spans)  # distinct images: every span stands for itself
+        if len(rows) == 1:  # most image requests
+            (start, end, span), = rows
+            self.spans = self.all_keys = (span,)
+            self.max_start = start
+            self.min_end = end
+            return
+        spans = tuple(map(_span_of, rows))
+        if len(set(map(_content_hash_of, spans))) == len(spans):
+            # Distinct content hashes (the usual request): every span is its
+            # own key and stands for itself. One pass over plain ints.
+            self.spans = self.all_keys = spans
         else:
+            # Every directory key a chunk of this request can name: a chunk
+            # that covers only some items may pick another item's grid for a
+            # (hash, length) than the whole request does.
+            self.all_keys = tuple(dict.fromkeys(spans))
             self.spans = tuple(_first_per_hash_and_length(spans))
         self.max_start = max(map(_start_of, rows), default=0)
         self.min_end = min(map(_end_of, rows), default=0)

@@ -318,28 +318,56 @@ def _table_of(mm_input) -> RequestImages:
 
 
 def _build_table(mm_input, items) -> RequestImages:
-    """Read a request's image items into the core's ItemMeta rows and keep
-    the table on the request."""
+    """Read a request's image items (offsets, precomputed, content hash, ViT
+    grid) into the core's table and keep it on the request. One loop that
+    reads each item once (the first chunk of every image request runs it)."""
     image = _IMAGE if _IMAGE is not None else _image_modality()
-    if len(items) == 1:  # most image requests: no list, no loop
+    if len(items) == 1:
+        # Most image requests: the loop below for one item, without its
+        # bookkeeping (a share of every one-image request's first chunk).
         item = items[0]
-        rows = (_item_row(item),) if item is not None and item.modality is image else ()
-    else:
-        rows = [_item_row(item) for item in items if item is not None and item.modality is image]
-    table = mm_input.__dict__[TABLE_ATTRIBUTE] = RequestImages(rows, items, len(items))
+        if item is not None and item.modality is image:
+            offsets = item.offsets
+            if offsets and len(offsets) == 1:
+                (start, end), = offsets
+                data = item.model_specific_data
+                height, width = data.get("n_vit_h"), data.get("n_vit_w")
+                if height.__class__ is not int or width.__class__ is not int:
+                    grid = _grid(height, width)
+                else:
+                    grid = (height, width)
+                table = RequestImages.from_rows(
+                    ((start, end, _new_tuple(ChunkSpan, (item.hash, end - start + 1, grid))),),
+                    item.precomputed_embeddings is not None,
+                    items,
+                    1,
+                )
+                mm_input.__dict__[TABLE_ATTRIBUTE] = table
+                return table
+    rows = []
+    precomputed = False
+    one_run = True
+    for item in items:
+        if item is None or item.modality is not image:
+            continue
+        if item.precomputed_embeddings is not None:
+            precomputed = True
+        offsets = item.offsets
+        if not offsets or len(offsets) != 1:
+            one_run = False  # the whole request takes another path (see RequestImages)
+            continue
+        (start, end), = offsets
+        data = item.model_specific_data
+        height, width = data.get("n_vit_h"), data.get("n_vit_w")
+        if height.__class__ is not int or width.__class__ is not int:
+            grid = _grid(height, width)
+        else:
+            grid = (height, width)
+        # span_of_run(item.hash, start, end, grid), inline
+        rows.append((start, end, _new_tuple(ChunkSpan, (item.hash, end - start + 1, grid))))
+    table = RequestImages.from_rows(rows if one_run else (), precomputed, items, len(items))
+    mm_input.__dict__[TABLE_ATTRIBUTE] = table
     return table
-
-
-def _item_row(item) -> tuple:
-    """One image item as an ItemMeta row (offsets, precomputed, content hash,
-    ViT grid), a plain tuple."""
-    data = item.model_specific_data
-    height, width = data.get("n_vit_h"), data.get("n_vit_w")
-    if height.__class__ is not int or width.__class__ is not int:
-        height_width = _grid(height, width)
-    else:
-        height_width = (height, width)
-    return (item.offsets or (), item.precomputed_embeddings is not None, item.hash, height_width)
 
 
 def _request_tables(mm_inputs) -> Optional[List[Optional[RequestImages]]]:
