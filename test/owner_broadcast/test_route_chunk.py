@@ -161,12 +161,8 @@ def reference_meta(item):
     """An item's routing fields read one by one, as the core's ItemMeta
     documents them (what the hooks' single reading loop must reproduce)."""
     data = item.model_specific_data
-    try:
-        grid = (int(data.get("n_vit_h")), int(data.get("n_vit_w")))
-    except (TypeError, ValueError):
-        grid = ()
     return ItemMeta(offsets=item.offsets or (), precomputed=item.precomputed_embeddings is not None,
-                    content_hash=item.hash, grid=grid)
+                    content_hash=item.hash, grid=(data.get("n_vit_h"), data.get("n_vit_w")))
 
 
 def odd_item(draw):

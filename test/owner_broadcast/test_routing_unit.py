@@ -80,6 +80,11 @@ def test_spans_deduplicated_by_hash_and_length_in_first_seen_order():
 def test_patches_from_the_grid_or_the_span_length():
     assert ChunkSpan(1, 20, (6, 8)).patches == 48
     assert ChunkSpan(1, 20).patches == 20
+    # the grid as the metadata holds it: whole numbers in any form count,
+    # anything else (a missing side) falls back to the tokens
+    assert ChunkSpan(1, 20, ("6", 8)).patches == 48
+    assert ChunkSpan(1, 20, (None, None)).patches == 20
+    assert ChunkSpan(1, 20, ("x", 8)).patches == 20
 
 
 # ------------------------------------------------ the directory

@@ -98,7 +98,10 @@ class ChunkSpan(NamedTuple):
 
     content_hash: Optional[int]
     span_len: int
-    grid: Tuple[int, ...] = ()  # ViT patch grid, when the item carries one
+    # The item's ViT patch grid as its metadata holds it (part of the key:
+    # every rank reads the same metadata, so whatever it holds, a missing
+    # side included, keys the span the same way on every rank).
+    grid: Tuple[object, ...] = ()
 
     @property
     def key(self) -> "ChunkSpan":
@@ -106,12 +109,17 @@ class ChunkSpan(NamedTuple):
 
     @property
     def patches(self) -> int:
-        if self.grid:
-            count = 1
+        """The encoder work estimate: the grid's patches when every side is
+        a whole number, else the span's tokens (the next best proxy)."""
+        if not self.grid:
+            return self.span_len
+        count = 1
+        try:
             for side in self.grid:
                 count *= max(int(side), 0)
-            return count
-        return self.span_len  # no grid: tokens are the next best proxy
+        except (TypeError, ValueError):
+            return self.span_len
+        return count
 
 
 def span_of_run(content_hash: Optional[int], start: int, end: int, grid: Tuple[int, ...]) -> ChunkSpan:

@@ -286,14 +286,6 @@ _IMAGE = None  # sglang's Modality.IMAGE, resolved on first use
 TABLE_ATTRIBUTE = "_sglang_dsv41_image_table"
 
 
-def _grid(height, width) -> tuple:
-    """The ViT grid from an item's n_vit_h / n_vit_w, () when it has none."""
-    try:
-        return (int(height), int(width))
-    except (TypeError, ValueError):
-        return ()
-
-
 def _image_modality():
     global _IMAGE
     from sglang.srt.managers.schedule_batch import Modality
@@ -319,31 +311,10 @@ def _table_of(mm_input) -> RequestImages:
 
 def _build_table(mm_input, items) -> RequestImages:
     """Read a request's image items (offsets, precomputed, content hash, ViT
-    grid) into the core's table and keep it on the request. One loop that
-    reads each item once (the first chunk of every image request runs it)."""
+    grid as the metadata holds it) into the core's table and keep it on the
+    request. One loop that reads each item once: the first chunk of every
+    image request runs it, so it is written for few instructions per item."""
     image = _IMAGE if _IMAGE is not None else _image_modality()
-    if len(items) == 1:
-        # Most image requests: the loop below for one item, without its
-        # bookkeeping (a share of every one-image request's first chunk).
-        item = items[0]
-        if item is not None and item.modality is image:
-            offsets = item.offsets
-            if offsets and len(offsets) == 1:
-                (start, end), = offsets
-                data = item.model_specific_data
-                height, width = data.get("n_vit_h"), data.get("n_vit_w")
-                if height.__class__ is not int or width.__class__ is not int:
-                    grid = _grid(height, width)
-                else:
-                    grid = (height, width)
-                table = RequestImages.from_rows(
-                    ((start, end, _new_tuple(ChunkSpan, (item.hash, end - start + 1, grid))),),
-                    item.precomputed_embeddings is not None,
-                    items,
-                    1,
-                )
-                mm_input.__dict__[TABLE_ATTRIBUTE] = table
-                return table
     rows = []
     precomputed = False
     one_run = True
@@ -352,19 +323,15 @@ def _build_table(mm_input, items) -> RequestImages:
             continue
         if item.precomputed_embeddings is not None:
             precomputed = True
-        offsets = item.offsets
-        if not offsets or len(offsets) != 1:
+        try:
+            (start, end), = item.offsets
+        except (TypeError, ValueError):  # no offsets, or several runs
             one_run = False  # the whole request takes another path (see RequestImages)
             continue
-        (start, end), = offsets
         data = item.model_specific_data
-        height, width = data.get("n_vit_h"), data.get("n_vit_w")
-        if height.__class__ is not int or width.__class__ is not int:
-            grid = _grid(height, width)
-        else:
-            grid = (height, width)
         # span_of_run(item.hash, start, end, grid), inline
-        rows.append((start, end, _new_tuple(ChunkSpan, (item.hash, end - start + 1, grid))))
+        span = _new_tuple(ChunkSpan, (item.hash, end - start + 1, (data.get("n_vit_h"), data.get("n_vit_w"))))
+        rows.append((start, end, span))
     table = RequestImages.from_rows(rows if one_run else (), precomputed, items, len(items))
     mm_input.__dict__[TABLE_ATTRIBUTE] = table
     return table
