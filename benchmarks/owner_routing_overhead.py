@@ -40,8 +40,11 @@ run hits every variant. It prints the median per chunk of each; hooks/stock;
 plugin/hooks and new-req/hooks-new as the median of each block's ratio to the
 block of its own round that ran the same kind of request with the owner path
 off (the routing's end-to-end cost, drift cancelled as far as pairing can);
-the in-place routing as a share of stock (new requests: of stock new); and the
-stock spread: how far apart the per-phase medians of stock itself land
+the in-place routing as a share of stock (new requests: of stock new); the
+block shares: per plugin (new-req) block, its in-place routing against the
+rest of the same block's chunks, median over blocks (the same chunks in the
+same minutes of the machine: drift between phases cancels, so these are the
+steadiest share columns on a shared VM); and the stock spread: how far apart the per-phase medians of stock itself land
 ((max - min) / median), the resolution of the end-to-end columns on this
 machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
@@ -273,7 +276,7 @@ def main():
     print(f"{'images':>6} {'stock us':>9} {'stock new':>10} {'hooks us':>9} {'plugin us':>9} "
           f"{'new req us':>10} {'hooks/stock':>11} {'plugin/hooks':>12} {'new/hooks new':>13} {'routing us':>10} "
           f"{'in place us':>11} {'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} "
-          f"{'stock spread':>12}")
+          f"{'block share':>11} {'block new':>11} {'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
@@ -370,6 +373,12 @@ def main():
         plugin_paired, new_paired = (
             statistics.median(v / h for v, h in zip(times[k], times[base]))
             for k, base in (("plugin", "hooks"), ("new_req", "hooks_new")))
+        # The routing against the rest of its own block's chunks (the same
+        # chunks, the same minutes of this machine): drift between phases
+        # and rounds cancels, which the stock-based shares cannot do.
+        block_share, block_share_new = (
+            statistics.median(r / (total - r) for r, total in zip(times[placed_key], times[k]))
+            for placed_key, k in (("in_place", "plugin"), ("in_place_new", "new_req")))
         # How far apart the phases of one variant land: differences smaller
         # than this are below what this machine can resolve.
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
@@ -378,7 +387,8 @@ def main():
         print(f"{images:>6} {stock:>9.1f} {stock_new:>10.1f} {hooks:>9.1f} {plugin:>9.1f} "
               f"{new_req:>10.1f} {hooks / stock:>11.3f} {plugin_paired:>12.3f} {new_paired:>13.3f} "
               f"{routing:>10.1f} {placed:>11.1f} {placed_new:>12.1f} {placed / stock:>13.3f} "
-              f"{placed_new / stock_new:>14.3f} {spread:>12.2f}", flush=True)
+              f"{placed_new / stock_new:>14.3f} {block_share:>11.3f} {block_share_new:>11.3f} "
+              f"{spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":
