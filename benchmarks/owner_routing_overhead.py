@@ -44,7 +44,10 @@ the in-place routing as a share of stock (new requests: of stock new); the
 block shares: per plugin (new-req) block, its in-place routing against the
 rest of the same block's chunks, median over blocks (the same chunks in the
 same minutes of the machine: drift between phases cancels, so these are the
-steadiest share columns on a shared VM); and the stock spread: how far apart the per-phase medians of stock itself land
+steadiest share columns on a shared VM); the timer: the same timing in the
+hooks-new blocks, where route_chunk returns at its first check (the timer's
+and the call's own cost, included in every in-place figure, not taken off);
+and the stock spread: how far apart the per-phase medians of stock itself land
 ((max - min) / median), the resolution of the end-to-end columns on this
 machine (the in-place columns time the routing directly). The width is small on
 purpose: torch's copies then cost little and the Python work the plugin adds
@@ -276,13 +279,13 @@ def main():
     print(f"{'images':>6} {'stock us':>9} {'stock new':>10} {'hooks us':>9} {'plugin us':>9} "
           f"{'new req us':>10} {'hooks/stock':>11} {'plugin/hooks':>12} {'new/hooks new':>13} {'routing us':>10} "
           f"{'in place us':>11} {'in place new':>12} {'in place/stock':>13} {'in place new/st':>14} "
-          f"{'block share':>11} {'block new':>11} {'stock spread':>12}")
+          f"{'block share':>11} {'block new':>11} {'timer us':>8} {'stock spread':>12}")
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
         batches = [make_batch() for _ in range(BLOCK)]
         times = {key: [] for key in ("stock", "stock_new", "hooks", "hooks_new", "plugin", "new_req", "routing",
-                                     "in_place", "in_place_new")}
+                                     "in_place", "in_place_new", "timer")}
         in_place = [0.0]  # routing CPU time spent inside the current plugin block
         seen_request = batches[0].mm_inputs[0]
         real_route_chunk = owner_broadcast.route_chunk
@@ -330,6 +333,10 @@ def main():
                 times["in_place"].append(in_place[0] / BLOCK)
             elif variant == "new_req":
                 times["in_place_new"].append(in_place[0] / BLOCK)
+            elif variant == "hooks_new":
+                # route_chunk returns at its first check (no router): what
+                # the timer and the call cost in place, inside every in-place figure
+                times["timer"].append(in_place[0] / BLOCK)
 
         with torch.inference_mode():
             attach_router(model, args.world)
@@ -384,11 +391,12 @@ def main():
         phase_medians = [statistics.median(times["stock"][i:i + args.rounds])
                          for i in range(0, len(times["stock"]), args.rounds)]
         spread = (max(phase_medians) - min(phase_medians)) / statistics.median(phase_medians)
+        timer = statistics.median(times["timer"]) * 1e6
         print(f"{images:>6} {stock:>9.1f} {stock_new:>10.1f} {hooks:>9.1f} {plugin:>9.1f} "
               f"{new_req:>10.1f} {hooks / stock:>11.3f} {plugin_paired:>12.3f} {new_paired:>13.3f} "
               f"{routing:>10.1f} {placed:>11.1f} {placed_new:>12.1f} {placed / stock:>13.3f} "
               f"{placed_new / stock_new:>14.3f} {block_share:>11.3f} {block_share_new:>11.3f} "
-              f"{spread:>12.2f}", flush=True)
+              f"{timer:>8.1f} {spread:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

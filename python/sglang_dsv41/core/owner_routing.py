@@ -73,7 +73,7 @@ _end_of = operator.itemgetter(1)
 _span_of = operator.itemgetter(2)
 
 # (content hash, span length in tokens, ViT grid): what identifies a span.
-DirectoryKey = Tuple[Optional[int], int, Tuple[int, ...]]
+DirectoryKey = Tuple[Optional[int], int, Tuple[object, ...]]
 
 # NamedTuple construction runs a Python-level __new__; on the per-chunk path
 # the tuple constructor is called directly (same object, a third of the cost).
@@ -122,7 +122,7 @@ class ChunkSpan(NamedTuple):
         return count
 
 
-def span_of_run(content_hash: Optional[int], start: int, end: int, grid: Tuple[int, ...]) -> ChunkSpan:
+def span_of_run(content_hash: Optional[int], start: int, end: int, grid: Tuple[object, ...]) -> ChunkSpan:
     """The span of an item whose only run covers tokens start..end (sglang's
     offsets are inclusive). Callers that read items in a loop of their own
     inline this expression (a call per item is a measurable share of a new
@@ -131,13 +131,13 @@ def span_of_run(content_hash: Optional[int], start: int, end: int, grid: Tuple[i
 
 
 class ItemMeta(NamedTuple):
-    """The host-side facts about one image item that the routing needs (a
-    tuple: one is built per image per chunk)."""
+    """The host-side facts about one image item that the routing needs
+    (``grid``: as the item's metadata holds it, see ChunkSpan)."""
 
     offsets: Sequence[Tuple[int, int]]
     precomputed: bool = False
     content_hash: Optional[int] = None
-    grid: Tuple[int, ...] = ()
+    grid: Tuple[object, ...] = ()
 
 
 class RequestImages:
@@ -465,6 +465,8 @@ class OwnerRouter:
         return self._route_tables(requests, extend_prefix_lens, extend_seq_lens)
 
     def _route_tables(self, requests, extend_prefix_lens, extend_seq_lens):
+        """route_requests by the general rules (several requests, or one
+        without a single length pair)."""
         found, contributors = gather_spans(requests, extend_prefix_lens, extend_seq_lens)
         spans = tuple(found)
         if not spans or self._always:
