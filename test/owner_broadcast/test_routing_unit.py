@@ -299,6 +299,18 @@ def test_tables_find_the_spans_the_item_by_item_rules_find(batch):
         assert all(table in tables for table in contributors)
 
 
+def step_against_scratch(cached, fresh, routed, expected_spans):
+    """One chunk routed by the router under test (``routed``: its route and
+    spans) against a router that routes the plain rules' spans from scratch;
+    both then record the chunk and must hold equal directories."""
+    route, spans = routed
+    assert spans == tuple(expected_spans)
+    assert route is fresh.route(expected_spans)
+    cached.completed(spans)
+    fresh.completed(expected_spans)
+    assert cached.directory.digest() == fresh.directory.digest()
+
+
 pool_strategy = st.lists(st.lists(item_strategy, min_size=1, max_size=4), min_size=1, max_size=6)
 
 
@@ -317,13 +329,8 @@ def test_cached_known_routes_match_routing_from_scratch(pool, data, capacity):
         prefix_lens = data.draw(st.lists(st.integers(0, 70), min_size=len(picked), max_size=len(picked)))
         seq_lens = data.draw(st.lists(st.integers(0, 40), min_size=len(picked), max_size=len(picked)))
         requests = [pool[i] for i in picked]
-        route, spans = cached.route_requests([tables[i] for i in picked], prefix_lens, seq_lens)
-        expected_spans = reference_spans(requests, prefix_lens, seq_lens)
-        assert spans == tuple(expected_spans)
-        assert route is fresh.route(expected_spans)
-        cached.completed(spans)
-        fresh.completed(expected_spans)
-        assert cached.directory.digest() == fresh.directory.digest()
+        routed = cached.route_requests([tables[i] for i in picked], prefix_lens, seq_lens)
+        step_against_scratch(cached, fresh, routed, reference_spans(requests, prefix_lens, seq_lens))
     assert cached.routes == fresh.routes
 
 
@@ -343,13 +350,8 @@ def test_one_request_chunks_route_as_the_general_rules(pool, data, capacity, mod
         pairs = data.draw(st.sampled_from([1, 1, 1, 1, 0, 2]), label="length pairs")
         prefix_lens = data.draw(st.lists(st.integers(0, 70), min_size=pairs, max_size=pairs))
         seq_lens = data.draw(st.lists(st.integers(-1, 40), min_size=pairs, max_size=pairs))
-        route, spans = cached.route_request(tables[picked], prefix_lens, seq_lens)
-        expected_spans = reference_spans([pool[picked]], prefix_lens, seq_lens)
-        assert spans == tuple(expected_spans)
-        assert route is fresh.route(expected_spans)
-        cached.completed(spans)
-        fresh.completed(expected_spans)
-        assert cached.directory.digest() == fresh.directory.digest()
+        routed = cached.route_request(tables[picked], prefix_lens, seq_lens)
+        step_against_scratch(cached, fresh, routed, reference_spans([pool[picked]], prefix_lens, seq_lens))
     assert cached.routes == fresh.routes
 
 
