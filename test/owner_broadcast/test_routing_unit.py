@@ -408,7 +408,7 @@ def test_directory_epochs_are_unique_in_the_process():
 
 
 def test_single_and_multi_item_tables_agree():
-    # one item takes a direct construction; it must equal the general one
+    # one row takes a shortcut in the table's fill; it must equal the general derivation
     one = RequestImages([meta(3, 12, content_hash=9)])
     two = RequestImages([meta(3, 12, content_hash=9), meta(3, 12, content_hash=9)])
     assert one.spans == two.spans == one.all_keys == (ChunkSpan(9, 10, (4, 4)),)
