@@ -187,6 +187,22 @@ PATCHES: tuple[Patch, ...] = (
         ast_sha="873f6b875451f57e",
     ),
     Patch(
+        id="OWN-ADMIT",
+        group="owner-broadcast",
+        target="sglang.srt.managers.schedule_batch.Req.extend_image_inputs",
+        kind=HookKind.AFTER,
+        hook="sglang_dsv41.hooks.owner_broadcast:after_extend_image_inputs",
+        roles=roles(Role.SCHEDULER),
+        reason="Builds a request's image table for the chunk routing when the scheduler admits "
+        "its media (offsets are final there and admission reads every item anyway), so the "
+        "first image chunk on the forward path finds it instead of reading every item. Only in "
+        "a process with a chunk router; the chunk still checks that the table is of the "
+        "request's current item list and rebuilds it otherwise.",
+        source="this package (the chunk routing is ours; the seed has none)",
+        signature="(self, image_inputs)",
+        ast_sha="b35d1ec6843c0e97",
+    ),
+    Patch(
         id="OWN-TEXT-EMBED",
         group="owner-broadcast",
         target="sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM._prepare_mm_embeddings",

@@ -269,6 +269,97 @@ def test_pin_merging_media_builds_a_new_item_list():
     assert first.mm_items is not items and len(first.mm_items) == 2
 
 
+def admitted(*media_turns):
+    """A real Req that the scheduler hands each turn's media through the real
+    ``Req.extend_image_inputs``, with OWN-ADMIT installed by sglang's own
+    wrapper; returns the request and the table each turn left on its inputs."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_dsv41.testing import patches_installed
+
+    params = SamplingParams(max_new_tokens=1)
+    params.normalize(None)
+    req = Req("admitted", "", array("q", range(1, 64)), params, vocab_size=1000)
+    tables = []
+    with patches_installed("OWN-ADMIT"):
+        for items in media_turns:
+            req.extend_image_inputs(MultimodalInputs(mm_items=items, im_token_id=99))
+            tables.append(req.multimodal_inputs.__dict__.get(owner_broadcast.TABLE_ATTRIBUTE))
+    return req, tables
+
+
+def same_table(table, items):
+    """Whether ``table`` holds what reading ``items`` afresh gives."""
+    expected = RequestImages([reference_meta(item) for item in items])
+    fields = ("precomputed", "items", "spans", "all_keys", "max_start", "min_end")
+    return [getattr(table, f) for f in fields] == [getattr(expected, f) for f in fields]
+
+
+def test_admission_builds_the_table_the_first_chunk_routes_with(model, monkeypatch):
+    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)  # a router in this process
+    req, (table,) = admitted([image(11, 2, 10), image(22, 20, 6, (2, 3))])
+    mm = req.multimodal_inputs
+    assert table is not None and table.source is mm.mm_items and same_table(table, mm.mm_items)
+
+    first = route(model, (mm, 0, 30))  # the request's first chunk
+    assert first.spans == (ChunkSpan(11, 10, (4, 4)), ChunkSpan(22, 6, (2, 3)))
+    assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is table  # used, not rebuilt
+    assert route(model, (mm, 0, 30)).route is Route.KNOWN
+
+
+def test_admission_of_more_media_builds_the_merged_table(model, monkeypatch):
+    # A second extend (sglang merges the media into a new item list) leaves a
+    # table of the merged list, which the next chunk uses as it is.
+    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)
+    req, (first, merged) = admitted([image(11, 2, 10)], [image(33, 40, 5)])
+    mm = req.multimodal_inputs
+    assert merged is not first and merged.source is mm.mm_items and len(mm.mm_items) == 2
+    assert same_table(merged, mm.mm_items)
+    assert [span.content_hash for span in route(model, (mm, 0, 50)).spans] == [11, 33]
+    assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is merged
+
+
+def test_admission_builds_nothing_where_no_chunk_is_routed(model, monkeypatch):
+    # A scheduler whose model has no router (owner path off, no vision, no
+    # replicating group) pays nothing at admission; chunks still route when
+    # a router shows up, reading the items themselves.
+    monkeypatch.setattr(owner_broadcast, "_routes_in_process", False)
+    req, (table,) = admitted([image(11, 2, 10)])
+    assert table is None and owner_broadcast.TABLE_ATTRIBUTE not in req.multimodal_inputs.__dict__
+    assert route(model, (req.multimodal_inputs, 0, 30)).spans == (ChunkSpan(11, 10, (4, 4)),)
+
+
+def test_pin_the_scheduler_hands_media_over_after_adjusting_offsets():
+    # OWN-ADMIT builds the table when the request's media are handed over, so
+    # every step that can still change offsets or the item list must come
+    # before that call: the session's offset shift and the padding.
+    import ast
+    import inspect
+    import textwrap
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    for method, before in (
+        (Scheduler._handle_generate_request,
+         ("adjust_mm_offsets", "_try_apply_padded_mm_input_ids", "duplicate_pad_mm_input_ids")),
+        (Scheduler._handle_embedding_request,
+         ("_try_apply_padded_mm_input_ids", "duplicate_pad_mm_input_ids")),
+    ):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        calls = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                calls.setdefault(name, []).append(node.lineno)
+        (hand_over,) = calls["extend_image_inputs"]
+        for name in before:
+            assert name in calls and max(calls[name]) < hand_over, (method.__name__, name)
+
+
 def test_guarded_mode_gives_stock_encodes_a_status_only_session(model):
     model.mm_owner_router = OwnerRouter(2, RoutingPolicy(mode="guarded", min_saving=10**9),
                                         SpanDirectory(0), row_bytes=4)

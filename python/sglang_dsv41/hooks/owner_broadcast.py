@@ -245,6 +245,7 @@ def attach_owner_path(model) -> None:
     """Sets ``model.mm_owner_group`` and ``model.mm_owner_router`` (both None
     when the owner path is off for this model). A bad value in the routing
     variables stops the model build with a message naming the variable."""
+    global _routes_in_process
     group = choose_owner_group(model)
     model.mm_owner_group = group
     model.mm_owner_router = None
@@ -253,11 +254,31 @@ def attach_owner_path(model) -> None:
         policy = RoutingPolicy.from_env(os.environ)
         row_bytes = model.config.hidden_size * model.image_start.element_size()
         model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
+        _routes_in_process = True
 
 
 def after_model_init(result, model, *args, **kwargs):
     """AFTER DeepseekV4ForCausalLM.__init__."""
     attach_owner_path(model)
+    return None
+
+
+# Whether this process routes image chunks (a router was attached to a model
+# it built): only then are request tables built at admission.
+_routes_in_process = False
+
+
+def after_extend_image_inputs(result, req, *args, **kwargs):
+    """AFTER Req.extend_image_inputs (OWN-ADMIT): build the request's image
+    table as the scheduler admits it. Offsets are final here (session and
+    padding adjustments run before this call), and admission already reads
+    every item, so the first image chunk of the request, on the forward path,
+    finds the table instead of reading every item itself. The chunk still
+    checks that the table is of the request's current item list."""
+    if _routes_in_process:
+        mm_input = req.multimodal_inputs
+        if mm_input is not None:
+            _build_table(mm_input, mm_input.mm_items)
     return None
 
 
