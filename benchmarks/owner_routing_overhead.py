@@ -24,8 +24,9 @@ process, for chunks of 1, 8 and 32 cached images:
            (its per-request table is reused: later chunks of a request, or a
            request retried)
   new req  the same, each chunk from a new request holding the same cached
-           images (the table is built on the chunk: the first chunk of a
-           request whose images another request brought in)
+           images, the table built on the chunk (a request whose table
+           admission did not build: with OWN-ADMIT a scheduler builds it when
+           it hands the request its media, timed by ``--admission``)
   routing  route_chunk alone (a known chunk needs nothing else), on the same batches
            (seen requests) in a tight loop
   in place route_chunk and the directory update (when the route needs one)
@@ -55,16 +56,30 @@ is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
 7168-wide rows, which only adds to the stock side); ``--width 7168`` runs the
 same chunks at DeepSeek-V4.1's hidden size, still on the CPU.
 
+``--admission`` times a request's whole full-hit path instead: its media
+handed over by the scheduler (``MultimodalInputs.from_processor_output``,
+DeepSeek-V4's ``pad_input_ids`` through ``duplicate_pad_mm_input_ids``, and
+``Req.extend_image_inputs``: the media steps of admission only, so stock's side
+is smaller than a real admission, which also receives and unpickles the
+request), then its first chunk. Stock, then with OWN-ADMIT and the chunk
+patches in (the table built at the hand-over, the chunk routed ``known``), in
+alternating phases, new requests throughout. It prints both steps' medians
+per variant, the table build and the routing timed in place, and their shares
+of stock: of the hand-over, of the chunk, of the two together, and per block
+against the rest of the same block (as ``block share`` above).
+
 Needs sglang 0.5.23 (CPU is enough):
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --width 7168 --rounds 10
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --bytecodes
+  PYTHONPATH=python python benchmarks/owner_routing_overhead.py --admission
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+from array import array
 import statistics
 import sys
 import time
@@ -80,6 +95,7 @@ IMAGE_TOKEN_ID = VOCAB - 1
 GRID = (32, 32)  # ViT patches; downsample 2 -> 16 x 17 + 2 = 274 tokens
 RATIO = 2
 PATCHES = ("OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
+ADMISSION_PATCHES = ("OWN-ADMIT", *PATCHES)
 BLOCK = 10  # chunks per timed block
 FRESH = ("stock_new", "hooks_new", "new_req")  # variants whose chunks come from new requests
 
@@ -250,6 +266,113 @@ def count_bytecodes(args):
               f"{seen_min:>11} {seen_p10:>8} {new_min:>10} {new_p10:>8}")
 
 
+def admission_run(args):
+    """--admission: a new request's media hand-over and first chunk, stock
+    against the plugin (see the module docstring)."""
+    from sglang.srt.managers.mm_utils import duplicate_pad_mm_input_ids
+    from sglang.srt.managers.schedule_batch import MultimodalInputs, MultimodalProcessorOutput, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_dsv41.hooks import owner_broadcast
+    from sglang_dsv41.testing import patches_installed
+
+    print(f"new full-hit requests, real sglang 0.5.23 media hand-over and first chunk on "
+          f"{torch.get_num_threads()} CPU thread(s), width {args.width}, {span_tokens(GRID)} tokens "
+          f"per image, group of {args.world}; median over {args.phases} x {args.rounds} blocks of "
+          f"{BLOCK} requests per variant (CPU time of this thread)")
+    print(f"{'images':>6} {'stock adm us':>12} {'stock chunk':>11} {'plugin adm':>10} {'plugin chunk':>12} "
+          f"{'table us':>8} {'routing us':>10} {'table/adm':>9} {'routing/chunk':>13} {'both/both':>9} "
+          f"{'block adm':>9} {'block chunk':>11} {'block both':>10}")
+    params = SamplingParams(max_new_tokens=1)
+    params.normalize(None)
+    for images in [int(v) for v in args.images.split(",")]:
+        model, input_ids, make_batch = build(images, args.width)
+        model._bench_batch = make_batch
+        seen = make_batch().mm_inputs[0]
+        prompt = array("q", input_ids.tolist())
+        batches = [make_batch() for _ in range(BLOCK)]
+        times = {key: [] for key in ("stock_adm", "stock_chunk", "plugin_adm", "plugin_chunk",
+                                     "table", "routing")}
+        in_place = {"table": 0.0, "routing": 0.0}
+
+        def timed(fn, key):
+            def call(*args):
+                start = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    in_place[key] += time.perf_counter() - start
+            return call
+
+        gc.collect()
+        gc.freeze()
+
+        def block(variant):
+            # Untimed: what the tokenizer hands over and the request object.
+            arrivals = []
+            for _ in batches:
+                items = fresh_request(seen).mm_items
+                output = MultimodalProcessorOutput(mm_items=items, input_ids=list(prompt),
+                                                   im_token_id=IMAGE_TOKEN_ID)
+                arrivals.append((output, Req("bench", "", prompt, params, vocab_size=VOCAB)))
+            gc.collect()
+            in_place["table"] = in_place["routing"] = 0.0
+            start = time.thread_time()
+            for output, req in arrivals:  # the media steps of admission, as the scheduler runs them
+                mm_input = MultimodalInputs.from_processor_output(output)
+                req.origin_input_ids = duplicate_pad_mm_input_ids(prompt, mm_input, model.pad_input_ids)
+                req.extend_image_inputs(mm_input)
+            admitted = time.thread_time()
+            for batch, (_output, req) in zip(batches, arrivals):
+                batch.mm_input_embeds = None
+                batch.mm_inputs = [req.multimodal_inputs]
+                model.prepare_language_model_inputs(input_ids, batch, None)
+            done = time.thread_time()
+            times[f"{variant}_adm"].append((admitted - start) / BLOCK)
+            times[f"{variant}_chunk"].append((done - admitted) / BLOCK)
+            if variant == "plugin":
+                times["table"].append(in_place["table"] / BLOCK)
+                times["routing"].append(in_place["routing"] / BLOCK)
+
+        with torch.inference_mode():
+            attach_router(model, args.world)
+            router = model.mm_owner_router
+            for _ in range(args.phases):
+                for _ in range(args.rounds):
+                    block("stock")
+                with patches_installed(*ADMISSION_PATCHES):
+                    real = (owner_broadcast._build_table, owner_broadcast.route_chunk, router.completed)
+                    owner_broadcast._build_table = timed(real[0], "table")
+                    owner_broadcast.route_chunk = timed(real[1], "routing")
+                    router.completed = timed(real[2], "routing")
+                    owner_broadcast._routes_in_process = True  # as attach_owner_path leaves it
+                    try:
+                        for _ in range(args.rounds):
+                            block("plugin")
+                    finally:
+                        owner_broadcast._build_table, owner_broadcast.route_chunk = real[:2]
+                        del router.completed
+                        owner_broadcast._routes_in_process = False
+        assert model.encoder_calls == 0
+        # every plugin chunk routed known (and attach_router's own check)
+        assert router.routes[owner_broadcast.Route.KNOWN] == 1 + args.phases * args.rounds * BLOCK, router.routes
+        med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        # Our in-place time against the rest of its own block (see block share).
+        ours = {"adm": times["table"], "chunk": times["routing"],
+                "both": [t + r for t, r in zip(times["table"], times["routing"])]}
+        totals = {"adm": times["plugin_adm"], "chunk": times["plugin_chunk"],
+                  "both": [a + c for a, c in zip(times["plugin_adm"], times["plugin_chunk"])]}
+        block_adm, block_chunk, block_both = (
+            statistics.median(o / (t - o) for o, t in zip(ours[k], totals[k]))
+            for k in ("adm", "chunk", "both"))
+        print(f"{images:>6} {med['stock_adm']:>12.1f} {med['stock_chunk']:>11.1f} "
+              f"{med['plugin_adm']:>10.1f} {med['plugin_chunk']:>12.1f} {med['table']:>8.1f} "
+              f"{med['routing']:>10.1f} {med['table'] / med['stock_adm']:>9.3f} "
+              f"{med['routing'] / med['stock_chunk']:>13.3f} "
+              f"{(med['table'] + med['routing']) / (med['stock_adm'] + med['stock_chunk']):>9.3f} "
+              f"{block_adm:>9.3f} {block_chunk:>11.3f} {block_both:>10.3f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", default="1,8,32")
@@ -261,12 +384,18 @@ def main():
     parser.add_argument("--bytecodes", action="store_true",
                         help="count the bytecode instructions route_chunk runs (deterministic: the "
                              "same on every machine) and time it call by call, instead of in place")
+    parser.add_argument("--admission", action="store_true",
+                        help="time new requests' media hand-over and first chunk, stock against "
+                             "the plugin with OWN-ADMIT")
     parser.add_argument("--calls", type=int, default=3000,
                         help="new requests timed call by call with --bytecodes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.bytecodes:
         count_bytecodes(args)
+        return
+    if args.admission:
+        admission_run(args)
         return
 
     from sglang_dsv41.hooks import owner_broadcast
