@@ -5,6 +5,8 @@ connect it to sglang:
 
 - when the model is built, pick the group that replicates image work and
   give it a router (``OWN-GROUP``);
+- when the scheduler hands a request its media, build the request's image
+  table for the routing (``OWN-ADMIT``);
 - around the model's input preparation, route the chunk from its metadata
   (``core.owner_routing``): chunks the protocol can speed up run inside a
   session's fence, the others (every span known to the group, or too little
@@ -316,8 +318,9 @@ def _image_modality():
 
 
 def _table_of(mm_input) -> RequestImages:
-    """A request's image table: built on its first chunk and reused while its
-    item list is the same object of the same length. Once a request is
+    """A request's image table: built at admission (or else on its first
+    chunk) and reused while its item list is the same object of the same
+    length. Once a request is
     scheduled, sglang 0.5.23 adds media by building a new list
     (MultimodalInputs.merge) or a new MultimodalInputs (session turns), never
     by editing items in place. A table holds no state of a router's that
