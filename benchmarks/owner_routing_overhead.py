@@ -100,6 +100,20 @@ BLOCK = 10  # chunks per timed block
 FRESH = ("stock_new", "hooks_new", "new_req")  # variants whose chunks come from new requests
 
 
+def timed_into(totals, key, fn):
+    """fn, adding its wall time to totals[key]: our code as it runs inside a
+    real chunk, between the rest of the chunk's code."""
+    def call(*args):
+        # perf_counter: ~0.1 us a call here, where thread_time is a ~1 us
+        # system call that would swamp a few-microsecond interval.
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            totals[key] += time.perf_counter() - start
+    return call
+
+
 def span_tokens(grid):
     n_h, n_w = -(-grid[0] // RATIO), -(-grid[1] // RATIO)
     return 2 + n_h * (n_w + 1)
@@ -293,17 +307,7 @@ def admission_run(args):
         batches = [make_batch() for _ in range(BLOCK)]
         times = {key: [] for key in ("stock_adm", "stock_chunk", "plugin_adm", "plugin_chunk",
                                      "table", "routing")}
-        in_place = {"table": 0.0, "routing": 0.0}
-
-        def timed(fn, key):
-            def call(*args):
-                start = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    in_place[key] += time.perf_counter() - start
-            return call
-
+        in_place = {"table": 0.0, "routing": 0.0}  # our CPU time inside the current block
         gc.collect()
         gc.freeze()
 
@@ -342,9 +346,9 @@ def admission_run(args):
                     block("stock")
                 with patches_installed(*ADMISSION_PATCHES):
                     real = (owner_broadcast._build_table, owner_broadcast.route_chunk, router.completed)
-                    owner_broadcast._build_table = timed(real[0], "table")
-                    owner_broadcast.route_chunk = timed(real[1], "routing")
-                    router.completed = timed(real[2], "routing")
+                    owner_broadcast._build_table = timed_into(in_place, "table", real[0])
+                    owner_broadcast.route_chunk = timed_into(in_place, "routing", real[1])
+                    router.completed = timed_into(in_place, "routing", real[2])
                     owner_broadcast._routes_in_process = True  # as attach_owner_path leaves it
                     try:
                         for _ in range(args.rounds):
@@ -419,19 +423,6 @@ def main():
         seen_request = batches[0].mm_inputs[0]
         real_route_chunk = owner_broadcast.route_chunk
 
-        def timed(fn):
-            """fn, adding its CPU time to in_place: the routing as it runs
-            inside a real chunk, between the rest of the chunk's code."""
-            def call(*args):
-                # perf_counter: ~0.1 us a call here, where thread_time is a
-                # ~1 us system call that would swamp a few-microsecond interval.
-                start = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    in_place[0] += time.perf_counter() - start
-            return call
-
         # sglang's objects move to the permanent generation: a collection then
         # scans only what the chunks allocate, for stock and plugin alike.
         gc.collect()
@@ -482,8 +473,8 @@ def main():
                     block("stock_new")
                 with patches_installed(*PATCHES):
                     real_route, real_completed = owner_broadcast.route_chunk, router.completed
-                    owner_broadcast.route_chunk = timed(real_route)
-                    router.completed = timed(real_completed)
+                    owner_broadcast.route_chunk = timed_into(in_place, 0, real_route)
+                    router.completed = timed_into(in_place, 0, real_completed)
                     try:
                         for _ in range(args.rounds):
                             # patches on, owner path off for this model

@@ -7,12 +7,10 @@ process and HookRegistry.reset() does not un-patch.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from conftest import run_python
 
@@ -68,7 +66,7 @@ def test_entry_point_discovery_applies_every_patch_and_each_role_checks_it():
     # Status line from the scheduler's constructor hook.
     n = len(owed_to(Role.SCHEDULER))
     assert out["scheduler_ctor"].startswith("failed after hook")
-    assert f"role=scheduler pid=" in proc.stderr
+    assert "role=scheduler pid=" in proc.stderr
     assert f"patches applied={n}/{n} owed" in proc.stderr
     # A patch removed after load is caught by the launcher's verification.
     assert "VCP-ARGS" in out["refused"] and "role=launcher" in out["refused"]

@@ -9,7 +9,6 @@ so that it is not loaded, to show which verdicts are ours.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
