@@ -196,7 +196,8 @@ PATCHES: tuple[Patch, ...] = (
         reason="Builds a request's image table for the chunk routing when the scheduler admits "
         "its media (offsets are final there and admission reads every item anyway), so the "
         "first image chunk on the forward path finds it instead of reading every item. Only in "
-        "a process with a chunk router; the chunk still checks that the table is of the "
+        "a process with a chunk router and not on a PD decode server (it embeds no images); "
+        "the chunk still checks that the table is of the "
         "request's current item list and rebuilds it otherwise.",
         source="this package (the chunk routing is ours; the seed has none)",
         signature="(self, image_inputs)",

@@ -332,6 +332,25 @@ def test_admission_builds_nothing_where_no_chunk_is_routed(model, monkeypatch):
     assert route(model, (req.multimodal_inputs, 0, 30)).spans == (ChunkSpan(11, 10, (4, 4)),)
 
 
+def test_a_pd_decode_server_builds_no_tables_at_admission():
+    # sglang's own published configuration decides; a bare process (no
+    # configuration) builds them, as before OWN-ADMIT's decode rule.
+    from sglang.srt.runtime_context import get_disagg, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    assert not owner_broadcast.on_decode_server()
+    try:
+        publish(ServerArgs(model_path="dummy"), role="scheduler")
+        assert not owner_broadcast.on_decode_server()
+        with get_disagg().override(disaggregation_mode="decode"):
+            assert owner_broadcast.on_decode_server()
+        with get_disagg().override(disaggregation_mode="prefill"):
+            assert not owner_broadcast.on_decode_server()
+    finally:
+        reset_context()
+
+
 def test_pin_the_scheduler_hands_media_over_after_adjusting_offsets():
     # OWN-ADMIT builds the table when the request's media are handed over, so
     # every step that can still change offsets or the item list must come

@@ -256,7 +256,24 @@ def attach_owner_path(model) -> None:
         policy = RoutingPolicy.from_env(os.environ)
         row_bytes = model.config.hidden_size * model.image_start.element_size()
         model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
-        _routes_in_process = True
+        # A PD decode server never embeds images in its batches: its
+        # admissions build no tables (a chunk that ever needed one builds it).
+        if not on_decode_server():
+            _routes_in_process = True
+
+
+def on_decode_server() -> bool:
+    """Whether this process serves PD decode, from the configuration sglang
+    publishes before building the model. A process that published none (a
+    bare test process) is taken as not decode: its admissions build tables,
+    which only costs the work the first chunk would do anyway."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        mode = get_disagg().disaggregation_mode
+    except ValueError:  # "config namespace 'disagg' not published"
+        return False
+    return mode == "decode"
 
 
 def after_model_init(result, model, *args, **kwargs):
@@ -266,7 +283,8 @@ def after_model_init(result, model, *args, **kwargs):
 
 
 # Whether this process routes image chunks (a router was attached to a model
-# it built): only then are request tables built at admission.
+# it built, outside a PD decode server): only then are request tables built
+# at admission.
 _routes_in_process = False
 
 
