@@ -197,8 +197,8 @@ PATCHES: tuple[Patch, ...] = (
         "its media (offsets are final there and admission reads every item anyway), so the "
         "first image chunk on the forward path finds it instead of reading every item. Only in "
         "a process with a chunk router and not on a PD decode server (it embeds no images); "
-        "the chunk still checks that the table is of the "
-        "request's current item list and rebuilds it otherwise.",
+        "the chunk still checks that the table is of the request's current item list and "
+        "rebuilds it otherwise.",
         source="this package (the chunk routing is ours; the seed has none)",
         signature="(self, image_inputs)",
         ast_sha="b35d1ec6843c0e97",

@@ -338,10 +338,9 @@ def _image_modality():
 def _table_of(mm_input) -> RequestImages:
     """A request's image table: built at admission (or else on its first
     chunk) and reused while its item list is the same object of the same
-    length. Once a request is
-    scheduled, sglang 0.5.23 adds media by building a new list
-    (MultimodalInputs.merge) or a new MultimodalInputs (session turns), never
-    by editing items in place. A table holds no state of a router's that
+    length. Once a request is scheduled, sglang 0.5.23 adds media by building
+    a new list (MultimodalInputs.merge) or a new MultimodalInputs (session
+    turns), never by editing items in place. A table holds no state of a router's that
     could be wrong for another: its known epoch names one directory (epochs
     are unique per process)."""
     items = mm_input.mm_items
