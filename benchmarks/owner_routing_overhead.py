@@ -56,17 +56,19 @@ is as large a share of the chunk as it can be (a V4.1 chunk on a GPU copies
 7168-wide rows, which only adds to the stock side); ``--width 7168`` runs the
 same chunks at DeepSeek-V4.1's hidden size, still on the CPU.
 
-``--admission`` times a request's whole full-hit path instead: its media
-handed over by the scheduler (``MultimodalInputs.from_processor_output``,
-DeepSeek-V4's ``pad_input_ids`` through ``duplicate_pad_mm_input_ids``, and
-``Req.extend_image_inputs``: the media steps of admission only, so stock's side
-is smaller than a real admission, which also receives and unpickles the
-request), then its first chunk. Stock, then with OWN-ADMIT and the chunk
-patches in (the table built at the hand-over, the chunk routed ``known``), in
-alternating phases, new requests throughout. It prints both steps' medians
-per variant, the table build and the routing timed in place, and their shares
-of stock: of the hand-over, of the chunk, of the two together, and per block
-against the rest of the same block (as ``block share`` above).
+``--admission`` times a new request's whole full-hit path instead: its
+admission by the real ``Scheduler.handle_generate_request`` (media prepared
+with ``MultimodalInputs.from_processor_output``, DeepSeek-V4's
+``pad_input_ids``, the ``Req`` built and handed its media, checks, queued),
+on a scheduler built from the tests' CPU rig, whose subsystems that a plain
+single-rank prefill server leaves off (metrics, sessions, grammar, KV events)
+are stand-ins; then its first chunk. Receiving and unpickling the request
+are not timed. Stock, then with OWN-ADMIT and the chunk patches in (the table
+built at admission, the chunk routed ``known``), in alternating phases, new
+requests throughout. It prints both steps' medians per variant, the table
+build and the routing timed in place, and their shares of stock: of the
+admission, of the chunk, of the two together, and per block against the rest
+of the same block (as ``block share`` above).
 
 Needs sglang 0.5.23 (CPU is enough):
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py
@@ -79,7 +81,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 from array import array
+from pathlib import Path
 import statistics
 import sys
 import time
@@ -280,60 +284,108 @@ def count_bytecodes(args):
               f"{seen_min:>11} {seen_p10:>8} {new_min:>10} {new_p10:>8}")
 
 
+def admission_scheduler(model):
+    """A real Scheduler whose ``handle_generate_request`` runs whole on the
+    CPU: the tests' scheduler rig (real pools, radix cache, policy and queue,
+    test/embed_overrides/embed_harness.py) plus what this method reads besides,
+    as a plain single-rank prefill server sets it (no metrics, sessions,
+    grammar, KV events or mrope). ``model`` gives the real DeepSeek-V4
+    ``pad_input_ids``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "embed_overrides"))
+    import embed_harness
+    from sglang.srt.runtime_context import get_parallel
+
+    scheduler = embed_harness.SchedulerRig(kv_tokens=1 << 16, rows=256).scheduler
+    get_parallel().override_permanently(tp_rank=0, pp_rank=0)
+    fields = dict(
+        model_config=SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, hf_eos_token_id=None,
+                                     requires_mm_token_modalities=False),
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+        metrics_collector=None,
+        tokenizer=None,
+        enable_session_radix_cache=False,
+        kv_events_publisher=SimpleNamespace(enable_kv_cache_events=False),
+        grammar_manager=SimpleNamespace(has_waiting_grammars=lambda: False,
+                                        process_req_with_grammar=lambda req: False),
+        _mm_processor=None,
+        max_req_input_len=1 << 20,
+        max_req_len=(1 << 20) + 1,
+        max_new_tokens_limit=None,
+        max_total_num_tokens=1 << 16,
+        kv_shard_widening=1,
+        sliding_window_size=None,
+        pad_input_ids_func=model.pad_input_ids,
+    )
+    for name, value in fields.items():
+        setattr(scheduler, name, value)
+    return scheduler
+
+
 def admission_run(args):
-    """--admission: a new request's media hand-over and first chunk, stock
-    against the plugin (see the module docstring)."""
-    from sglang.srt.managers.mm_utils import duplicate_pad_mm_input_ids
-    from sglang.srt.managers.schedule_batch import MultimodalInputs, MultimodalProcessorOutput, Req
+    """--admission: a new request's admission and first chunk, stock against
+    the plugin (see the module docstring)."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from sglang_dsv41.hooks import owner_broadcast
     from sglang_dsv41.testing import patches_installed
 
-    print(f"new full-hit requests, real sglang 0.5.23 media hand-over and first chunk on "
-          f"{torch.get_num_threads()} CPU thread(s), width {args.width}, {span_tokens(GRID)} tokens "
-          f"per image, group of {args.world}; median over {args.phases} x {args.rounds} blocks of "
-          f"{BLOCK} requests per variant (CPU time of this thread)")
+    print(f"new full-hit requests, real sglang 0.5.23 admission (Scheduler.handle_generate_request) "
+          f"and first chunk on {torch.get_num_threads()} CPU thread(s), width {args.width}, "
+          f"{span_tokens(GRID)} tokens per image, group of {args.world}; median over {args.phases} x "
+          f"{args.rounds} blocks of {BLOCK} requests per variant (CPU time of this thread)")
     print(f"{'images':>6} {'stock adm us':>12} {'stock chunk':>11} {'plugin adm':>10} {'plugin chunk':>12} "
           f"{'table us':>8} {'routing us':>10} {'table/adm':>9} {'routing/chunk':>13} {'both/both':>9} "
           f"{'block adm':>9} {'block chunk':>11} {'block both':>10}")
-    params = SamplingParams(max_new_tokens=1)
-    params.normalize(None)
     for images in [int(v) for v in args.images.split(",")]:
         model, input_ids, make_batch = build(images, args.width)
         model._bench_batch = make_batch
+        scheduler = admission_scheduler(model)
         seen = make_batch().mm_inputs[0]
         prompt = array("q", input_ids.tolist())
         batches = [make_batch() for _ in range(BLOCK)]
         times = {key: [] for key in ("stock_adm", "stock_chunk", "plugin_adm", "plugin_chunk",
                                      "table", "routing")}
         in_place = {"table": 0.0, "routing": 0.0}  # our CPU time inside the current block
+        arrivals_made = itertools.count()
+
+        def arrival():
+            """What the tokenizer sends for a new request with the same images."""
+            params = SamplingParams(max_new_tokens=1)
+            params.normalize(None)
+            media = MultimodalProcessorOutput(mm_items=fresh_request(seen).mm_items,
+                                              input_ids=list(prompt), im_token_id=IMAGE_TOKEN_ID)
+            return TokenizedGenerateReqInput(
+                rid=f"bench-{next(arrivals_made)}", input_text="", input_ids=prompt, input_embeds=None,
+                mm_inputs=media, token_type_ids=None, sampling_params=params, return_logprob=False,
+                logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False)
+
         gc.collect()
         gc.freeze()
 
         def block(variant):
-            # Untimed: what the tokenizer hands over and the request object.
-            arrivals = []
-            for _ in batches:
-                items = fresh_request(seen).mm_items
-                output = MultimodalProcessorOutput(mm_items=items, input_ids=list(prompt),
-                                                   im_token_id=IMAGE_TOKEN_ID)
-                arrivals.append((output, Req("bench", "", prompt, params, vocab_size=VOCAB)))
+            received = [arrival() for _ in batches]  # untimed: the tokenizer's side
             gc.collect()
             in_place["table"] = in_place["routing"] = 0.0
+            queue = scheduler.waiting_queue
             start = time.thread_time()
-            for output, req in arrivals:  # the media steps of admission, as the scheduler runs them
-                mm_input = MultimodalInputs.from_processor_output(output)
-                req.origin_input_ids = duplicate_pad_mm_input_ids(prompt, mm_input, model.pad_input_ids)
-                req.extend_image_inputs(mm_input)
+            for recv in received:
+                scheduler.handle_generate_request(recv)
             admitted = time.thread_time()
-            for batch, (_output, req) in zip(batches, arrivals):
+            # untimed: every request queued whole, its table built where OWN-ADMIT is in
+            assert len(queue) == BLOCK and all(req.finished_reason is None for req in queue)
+            tables = [owner_broadcast.TABLE_ATTRIBUTE in req.multimodal_inputs.__dict__ for req in queue]
+            assert tables == [variant == "plugin"] * BLOCK
+            chunks_start = time.thread_time()
+            for batch, req in zip(batches, queue):
                 batch.mm_input_embeds = None
                 batch.mm_inputs = [req.multimodal_inputs]
                 model.prepare_language_model_inputs(input_ids, batch, None)
             done = time.thread_time()
+            queue.clear()
             times[f"{variant}_adm"].append((admitted - start) / BLOCK)
-            times[f"{variant}_chunk"].append((done - admitted) / BLOCK)
+            times[f"{variant}_chunk"].append((done - chunks_start) / BLOCK)
             if variant == "plugin":
                 times["table"].append(in_place["table"] / BLOCK)
                 times["routing"].append(in_place["routing"] / BLOCK)
