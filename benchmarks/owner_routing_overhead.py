@@ -286,39 +286,15 @@ def count_bytecodes(args):
 
 def admission_scheduler(model):
     """A real Scheduler whose ``handle_generate_request`` runs whole on the
-    CPU: the tests' scheduler rig (real pools, radix cache, policy and queue,
-    test/embed_overrides/embed_harness.py) plus what this method reads besides,
-    as a plain single-rank prefill server sets it (no metrics, sessions,
-    grammar, KV events or mrope). ``model`` gives the real DeepSeek-V4
+    CPU: the tests' scheduler rig (real pools, radix cache, policy and queue;
+    test/embed_overrides/embed_harness.py), with ``model``'s real DeepSeek-V4
     ``pad_input_ids``."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "test" / "embed_overrides"))
     import embed_harness
-    from sglang.srt.runtime_context import get_parallel
 
-    scheduler = embed_harness.SchedulerRig(kv_tokens=1 << 16, rows=256).scheduler
-    get_parallel().override_permanently(tp_rank=0, pp_rank=0)
-    fields = dict(
-        model_config=SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, hf_eos_token_id=None,
-                                     requires_mm_token_modalities=False),
-        metrics_reporter=SimpleNamespace(enable_metrics=False),
-        metrics_collector=None,
-        tokenizer=None,
-        enable_session_radix_cache=False,
-        kv_events_publisher=SimpleNamespace(enable_kv_cache_events=False),
-        grammar_manager=SimpleNamespace(has_waiting_grammars=lambda: False,
-                                        process_req_with_grammar=lambda req: False),
-        _mm_processor=None,
-        max_req_input_len=1 << 20,
-        max_req_len=(1 << 20) + 1,
-        max_new_tokens_limit=None,
-        max_total_num_tokens=1 << 16,
-        kv_shard_widening=1,
-        sliding_window_size=None,
-        pad_input_ids_func=model.pad_input_ids,
-    )
-    for name, value in fields.items():
-        setattr(scheduler, name, value)
-    return scheduler
+    rig = embed_harness.SchedulerRig(kv_tokens=1 << 16, rows=256)
+    rig.receive_generate_requests(model.pad_input_ids)
+    return rig.scheduler
 
 
 def admission_run(args):

@@ -211,6 +211,34 @@ class SchedulerRig:
             setattr(s, name, value)
         self.scheduler = s
 
+    def receive_generate_requests(self, pad_input_ids_func) -> None:
+        """Also let the real ``Scheduler.handle_generate_request`` run whole:
+        what it reads besides admission, as a plain single-rank prefill server
+        sets it (no metrics, sessions, grammar, KV events or mrope), and the
+        model's real ``pad_input_ids``."""
+        get_parallel().override_permanently(tp_rank=0, pp_rank=0)
+        fields = dict(
+            model_config=SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False,
+                                         hf_eos_token_id=None, requires_mm_token_modalities=False),
+            metrics_reporter=SimpleNamespace(enable_metrics=False),
+            metrics_collector=None,
+            tokenizer=None,
+            enable_session_radix_cache=False,
+            kv_events_publisher=SimpleNamespace(enable_kv_cache_events=False),
+            grammar_manager=SimpleNamespace(has_waiting_grammars=lambda: False,
+                                            process_req_with_grammar=lambda req: False),
+            _mm_processor=None,
+            max_req_input_len=1 << 20,
+            max_req_len=(1 << 20) + 1,
+            max_new_tokens_limit=None,
+            max_total_num_tokens=self.allocator.size,
+            kv_shard_widening=1,
+            sliding_window_size=None,
+            pad_input_ids_func=pad_input_ids_func,
+        )
+        for name, value in fields.items():
+            setattr(self.scheduler, name, value)
+
     def submit(self, req: Req) -> None:
         """Queue a request the way the scheduler does after receiving it."""
         self.scheduler._add_request_to_queue(req)

@@ -332,6 +332,54 @@ def test_admission_builds_nothing_where_no_chunk_is_routed(model, monkeypatch):
     assert route(model, (req.multimodal_inputs, 0, 30)).spans == (ChunkSpan(11, 10, (4, 4)),)
 
 
+def test_the_real_scheduler_admission_builds_the_table(model, monkeypatch):
+    # Scheduler.handle_generate_request as a scheduler receives a request from
+    # the tokenizer: media prepared, prompt padded, Req built and handed its
+    # media (OWN-ADMIT builds the table there), checks, queued.
+    from array import array
+    from pathlib import Path
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.runtime_context import reset_context
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_dsv41.testing import patches_installed
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "embed_overrides"))
+    import embed_harness
+
+    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)
+    items = [image(11, 2, 10), image(22, 20, 6, (2, 3))]
+    prompt = array("q", [5] * 40)
+    params = SamplingParams(max_new_tokens=1)
+    params.normalize(None)
+    recv = TokenizedGenerateReqInput(
+        rid="admitted", input_text="", input_ids=prompt, input_embeds=None,
+        mm_inputs=MultimodalProcessorOutput(mm_items=items, input_ids=list(prompt), im_token_id=99),
+        token_type_ids=None, sampling_params=params, return_logprob=False, logprob_start_len=-1,
+        top_logprobs_num=0, token_ids_logprob=None, stream=False)
+    try:
+        rig = embed_harness.SchedulerRig()
+        # DeepSeek-V4's own padding (its method does not read the model)
+        rig.receive_generate_requests(lambda ids, mm: DeepseekV4ForCausalLM.pad_input_ids(None, ids, mm))
+        with patches_installed("OWN-ADMIT"):
+            rig.scheduler.handle_generate_request(recv)
+        (req,) = rig.scheduler.waiting_queue
+    finally:
+        reset_context()
+    assert req.finished_reason is None
+    mm = req.multimodal_inputs
+    # padded before the hand-over
+    assert list(req.origin_input_ids[2:12]) == list(mm.mm_items[0].padding_sequence(10))
+    assert list(req.origin_input_ids[:2]) == [5, 5]
+    table = mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE]
+    assert table.source is mm.mm_items and same_table(table, mm.mm_items)
+    assert route(model, (mm, 0, 40)).spans == (ChunkSpan(11, 10, (4, 4)), ChunkSpan(22, 6, (2, 3)))
+    assert mm.__dict__[owner_broadcast.TABLE_ATTRIBUTE] is table
+
+
 def test_a_pd_decode_server_builds_no_tables_at_admission():
     # sglang's own published configuration decides; a bare process (no
     # configuration) builds them, as before OWN-ADMIT's decode rule.
