@@ -107,8 +107,9 @@ def test_workflow_checks_every_push_of_every_branch():
     assert runs[runs.index("make setup") + 1:].count("make test") == 1
     lint = next(r for r in runs if "actionlint" in r)
     assert "hadolint" in lint and "vendor.compose-spec" in lint
-    plan = next(r for r in runs if "sglang-dsv41 plan" in r)
-    assert "*.yml" in plan and "mooncake-master.yml" in plan
+    plan = next(s for s in check["steps"] if s.get("name") == "sglang-dsv41 plan on every shipped topology")
+    assert plan["working-directory"] == "deploy/b300-ds41"
+    assert "from sglang_dsv41.deploy_plan import main" in plan["run"] and '"*.yml"' in plan["run"]
 
 
 def test_workflow_publishes_images_after_the_check_for_the_listed_branches():
