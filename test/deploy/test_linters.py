@@ -168,6 +168,22 @@ def test_image_branch_step_takes_several_patterns(tmp_path):
         assert output.read_text().strip() == f"publish={expected}", branch
 
 
+@pytest.mark.parametrize("registry, image, ok", [
+    ("git.example.com", "team/sglang-dsv41", False), ("", "team/sglang-dsv41", False),
+    ("git.internal.lan", "", False), ("git.internal.lan", "team/sglang-dsv41", True),
+])
+def test_image_job_stops_while_the_registry_is_the_placeholder(tmp_path, registry, image, ok):
+    flow = _workflow()
+    step = next(s for s in flow["jobs"]["image"]["steps"] if s.get("name") == "Registry settings")
+    assert flow["jobs"]["image"]["steps"][0] is step
+    env = {"PATH": "/usr/bin:/bin", "REGISTRY": registry, "IMAGE_NAME": image}
+    result = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode == 0) == ok, result.stdout
+    if not ok:
+        assert "set REGISTRY and IMAGE_NAME" in result.stdout
+
+
 def test_env_example_names_every_variable_the_compose_files_use():
     from sglang_dsv41.core.compose_model import read_env_file
 
