@@ -87,24 +87,101 @@ def test_hadolint_catches_a_broken_dockerfile(tmp_path):
     assert "DL3007" in result.stdout  # the :latest tag
 
 
-def test_workflow_builds_what_the_issue_asks():
+def _workflow() -> dict:
     import yaml
 
     flow = yaml.safe_load(WORKFLOW.read_text())
-    on = flow[True] if True in flow else flow["on"]  # YAML 1.1 reads `on` as a boolean
-    assert on["push"]["paths-ignore"] == ["deploy/**"]
-    assert on["push"]["branches"] == ["release/**"]
-    steps = flow["jobs"]["test"]["steps"]
-    assert [s.get("run") for s in steps if "run" in s] == ["make setup", "make test"]
+    flow["on"] = flow.pop(True) if True in flow else flow["on"]  # YAML 1.1 reads `on` as a boolean
+    return flow
+
+
+def test_workflow_checks_every_push_of_every_branch():
+    flow = _workflow()
+    push = flow["on"]["push"]
+    assert push["branches"] == ["**"]
+    # No path filter: a push that changes only deploy/ is linted and planned too.
+    assert not {"paths", "paths-ignore", "branches-ignore"} & set(push)
+    check = flow["jobs"]["check"]
+    assert "if" not in check and "needs" not in check
+    runs = [s.get("run", "") for s in check["steps"]]
+    assert runs[runs.index("make setup") + 1:].count("make test") == 1
+    lint = next(r for r in runs if "actionlint" in r)
+    assert "hadolint" in lint and "vendor.compose-spec" in lint
+    plan = next(s for s in check["steps"] if s.get("name") == "sglang-dsv41 plan on every shipped topology")
+    assert plan["working-directory"] == "deploy/b300-ds41"
+    assert "from sglang_dsv41.deploy_plan import main" in plan["run"] and '"*.yml"' in plan["run"]
+
+
+def test_workflow_publishes_images_after_the_check_for_the_listed_branches():
+    flow = _workflow()
+    assert flow["env"]["IMAGE_BRANCHES"].split() == ["dsv41-*"]
+    for name in ("REGISTRY", "IMAGE_NAME", "BASE_IMAGE", "PIP_INDEX_URL"):
+        assert flow["env"][name], name
     image = flow["jobs"]["image"]
-    assert image["needs"] == "test"
+    assert image["needs"] == "check"
+    assert image["if"] == "needs.check.outputs.publish == 'true'"
+    assert flow["jobs"]["check"]["outputs"]["publish"] == "${{ steps.branch.outputs.publish }}"
     text = WORKFLOW.read_text()
     assert "-ci-$stamp" in text and "stamp=$(date -u +%Y%m%d-%H%M)" in text and "-latest" in text
     assert "sha9=$(git rev-parse --short=9 HEAD)" in text
-    for name in ("vars.REGISTRY", "vars.IMAGE_NAME", "secrets.REGISTRY_USERNAME", "secrets.REGISTRY_PASSWORD"):
-        assert name in text
+    login = next(s for s in image["steps"] if str(s.get("uses", "")).startswith("docker/login-action"))
+    assert login["with"] == {"registry": "${{ env.REGISTRY }}", "username": "${{ secrets.REGISTRY_USERNAME }}",
+                             "password": "${{ secrets.REGISTRY_PASSWORD }}"}
     build = next(s for s in image["steps"] if str(s.get("uses", "")).startswith("docker/build-push-action"))
     assert build["with"]["file"] == "Dockerfile.gitea"
+    assert build["with"]["cache-from"].startswith("type=registry,")
+    assert build["with"]["cache-to"].startswith("type=registry,") and "mode=max" in build["with"]["cache-to"]
+
+
+def test_workflow_never_reads_the_vars_context():
+    text = WORKFLOW.read_text()
+    assert not re.search(r"\bvars\s*\.|\bvars\s*\[", text), "the vars context misevaluates on the target Gitea"
+
+
+@pytest.mark.parametrize("branch, publishes", [
+    ("dsv41-pd", True), ("dsv41-pd-visioncp", True), ("main", False), ("release/1.0", False),
+    ("feature/dsv41-pd", False), ("xdsv41-pd", False), ("dsv41", False),
+])
+def test_image_branch_step_matches_the_branch_list(tmp_path, branch, publishes):
+    flow = _workflow()
+    step = next(s for s in flow["jobs"]["check"]["steps"] if s.get("id") == "branch")
+    output = tmp_path / "github_output"
+    env = {"PATH": "/usr/bin:/bin", "BRANCH": branch, "GITHUB_OUTPUT": str(output),
+           "IMAGE_BRANCHES": flow["env"]["IMAGE_BRANCHES"]}
+    # Files in the working directory must not be globbed into the pattern list.
+    (tmp_path / "dsv41-decoy").write_text("")
+    result = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert output.read_text().strip() == f"publish={'true' if publishes else 'false'}"
+
+
+def test_image_branch_step_takes_several_patterns(tmp_path):
+    flow = _workflow()
+    step = next(s for s in flow["jobs"]["check"]["steps"] if s.get("id") == "branch")
+    for branch, expected in [("release/2", "true"), ("dsv41-x", "true"), ("main", "false")]:
+        output = tmp_path / f"out-{expected}-{branch.replace('/', '_')}"
+        env = {"PATH": "/usr/bin:/bin", "BRANCH": branch, "GITHUB_OUTPUT": str(output),
+               "IMAGE_BRANCHES": "dsv41-* release/*"}
+        subprocess.run(["bash", "-e", "-c", step["run"]], env=env, cwd=tmp_path, check=True,
+                       capture_output=True, text=True, timeout=30)
+        assert output.read_text().strip() == f"publish={expected}", branch
+
+
+@pytest.mark.parametrize("registry, image, ok", [
+    ("git.example.com", "team/sglang-dsv41", False), ("", "team/sglang-dsv41", False),
+    ("git.internal.lan", "", False), ("git.internal.lan", "team/sglang-dsv41", True),
+])
+def test_image_job_stops_while_the_registry_is_the_placeholder(tmp_path, registry, image, ok):
+    flow = _workflow()
+    step = next(s for s in flow["jobs"]["image"]["steps"] if s.get("name") == "Registry settings")
+    assert flow["jobs"]["image"]["steps"][0] is step
+    env = {"PATH": "/usr/bin:/bin", "REGISTRY": registry, "IMAGE_NAME": image}
+    result = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode == 0) == ok, result.stdout
+    if not ok:
+        assert "set REGISTRY and IMAGE_NAME" in result.stdout
 
 
 def test_env_example_names_every_variable_the_compose_files_use():

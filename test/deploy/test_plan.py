@@ -32,7 +32,7 @@ SHIPPED = {
     "cp-dspark.yml": ["TP 8, EP 8", "attention CP 8 (interleave); no PD; DSpark on", "decoder SWA replay off"],
     "cp-dspark-l3.yml": ["attention CP 4 (interleave)",
                          "hierarchical cache L2 + L3 mooncake (master 127.0.0.1:50051)",
-                         "cp-dspark-l3.yml/mooncake-master [host local] Mooncake master on port 50051"],
+                         "mooncake-master.yml/mooncake-master [host local] Mooncake master on port 50051"],
     "cp-instances.yml": ["cp-instances.yml/cp2-a [host local] port 30010, GPUs 0,1",
                          "cp-instances.yml/cp2-d [host local] port 30040, GPUs 6,7",
                          "router on port 30000 -> http://127.0.0.1:30010, http://127.0.0.1:30020, "
@@ -44,7 +44,16 @@ SHIPPED = {
     "pd-3p1d.yml": ["PD prefill (bootstrap 8998)", "PD prefill (bootstrap 8999)", "PD prefill (bootstrap 9000)",
                     "pd-3p1d.yml/decode [host local] port 30040, GPUs 6,7",
                     "(4 sglang servers, 1 routers, 1 Mooncake masters)"],
+    "pd-1p1d-tp-prefill.yml": ["attention TP 4, attention DP 1, attention CP 1; PD prefill (bootstrap 8998)",
+                               "attention DP 4, attention CP 1; PD decode", "vision off"],
+    "pd-1p1d-dp-prefill.yml": ["attention DP 4, attention CP 1; PD prefill (bootstrap 8998)", "PD decode"],
+    "pd-1p1d-4gpu.yml": ["pd-1p1d-4gpu.yml/prefill [host local] port 30050, GPUs 4,5",
+                         "attention CP 2 (interleave); PD prefill (bootstrap 8997)",
+                         "pd-1p1d-4gpu.yml/decode [host local] port 30060, GPUs 6,7",
+                         "router on port 30004"],
 }
+# The node's shared Mooncake master: planned beside every topology, as CI does.
+MASTER = "mooncake-master.yml"
 
 # Known-bad topology -> (label of the service blamed, fragments of the reason, number of problems).
 BAD_CASES = {
@@ -94,7 +103,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     # A copy without any .env a developer keeps there: the shipped defaults are checked.
     deploy = tmp_path_factory.mktemp("deploy") / "b300-ds41"
     shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns(".env"))
-    cases = {f"shipped:{name}": [str(deploy / name)] for name in SHIPPED}
+    cases = {f"shipped:{name}": [str(deploy / MASTER), str(deploy / name)] for name in SHIPPED}
     cases.update({f"bad:{name}": [str(BAD / name)] for name in BAD_CASES})
     # Two topologies meant as alternatives, planned together on one host.
     cases["together:tp+cp"] = [str(deploy / "tp.yml"), str(deploy / "cp.yml")]
@@ -116,7 +125,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
 
 def test_shipped_topologies_are_exactly_the_documented_ones():
     on_disk = {p.name for p in DEPLOY.glob("*.yml")}
-    assert on_disk == set(SHIPPED)
+    assert on_disk == set(SHIPPED) | {MASTER}
     readme = (DEPLOY / "README.md").read_text()
     for name in SHIPPED:
         assert f"`{name}`" in readme, f"{name} missing from deploy/b300-ds41/README.md"
