@@ -123,7 +123,9 @@ class Finding:
 
 def _reasons(before: dict[str, str], after: dict[str, str]) -> list[str]:
     out = []
-    for key in sorted(set(before) | set(after), key=lambda k: (k.startswith("relies_on"), k)):
+    order = ["signature", "shape", "decorators", "code", "binding", "absent", "value"]
+    keys = set(before) | set(after)
+    for key in sorted(keys, key=lambda k: (order.index(k) if k in order else len(order), k)):
         a, b = before.get(key), after.get(key)
         if a == b:
             continue
@@ -131,7 +133,8 @@ def _reasons(before: dict[str, str], after: dict[str, str]) -> list[str]:
             out.append(f"now {b} (was {a})")
         elif key.startswith("relies_on:"):
             method = key.split(":", 1)[1]
-            out.append(f"relied-on {method} " + ("gone" if b == fp.MISSING else "changed"))
+            state = "gone" if b == fp.MISSING else "now defined" if a == fp.MISSING else "changed"
+            out.append(f"relied-on {method} {state}")
         else:
             out.append(_REASONS.get(key, key))
     return out
