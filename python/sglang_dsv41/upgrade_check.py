@@ -90,7 +90,9 @@ def open_tree(spec: str, workdir: Path, timeout_s: float = 600) -> fp.SourceTree
     if spec == LATEST or _VERSION.match(spec):
         dest = workdir / f"download-{len(list(workdir.iterdir()))}"
         dest.mkdir()
-        return _wheel_tree(pip_download(spec, dest, timeout_s))
+        tree = _wheel_tree(pip_download(spec, dest, timeout_s))
+        tree.label = f"{tree.path.name}, pip download of {'the newest sglang' if spec == LATEST else 'sglang==' + spec}"
+        return tree
     raise BadInput(f"{spec}: no such file or folder, and not a version number")
 
 

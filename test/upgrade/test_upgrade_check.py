@@ -266,3 +266,30 @@ def test_the_load_time_check_uses_the_upgrade_check_fingerprint(monkeypatch):
     assert checks.patch_problems(patch) == []
     monkeypatch.setattr(fp, "fingerprint_of", lambda item, tree=None: fp.Fingerprint(item.signature, "0" * 16))
     assert any("source drifted" in p.message for p in checks.patch_problems(patch))
+
+
+# ---------------------------------------------------------------- the tables themselves
+
+
+def test_pinned_internals_match_the_installed_release_and_fail_on_an_edit(candidate):
+    from sglang_dsv41 import pinned_internals
+
+    for internal in pinned_internals.INTERNALS:
+        assert pinned_internals.problems(internal) == [], internal.name
+    edit(candidate, "sglang/srt/server_args.py", "ZMQ_TCP_PORT_DELTA = 233", "ZMQ_TCP_PORT_DELTA = 234")
+    delta = next(i for i in pinned_internals.INTERNALS if i.name.endswith("ZMQ_TCP_PORT_DELTA"))
+    assert pinned_internals.problems(delta, fp.FolderTree(candidate)) == [
+        f"source drifted: expected ast sha {delta.ast_sha}, "
+        f"found {fp.fingerprint_of(delta, fp.FolderTree(candidate)).ast_sha}"]
+
+
+def test_every_patch_says_when_it_can_go():
+    import re
+
+    for patch in by_id().values():
+        assert patch.remove_when.strip(), patch.id
+        assert patch.upstream is None or re.match(r"[\w.-]+/[\w.-]+#\d+ ", patch.upstream), patch.id
+        assert patch.depends_on in ("source", "signature"), patch.id
+        if patch.new_attribute:
+            for method in patch.relies_on:
+                fp.resolve(f"{patch.fingerprint_target}.{method}")  # exists in the pinned release
