@@ -240,6 +240,7 @@ class Resolved:
     rebinds: list[ast.stmt]  # statements that re-bind the name after that def
     bindings: list[ast.stmt]  # a variable's binding statements (node is None)
     text: str
+    module: ast.Module
 
 
 def resolve(target: str, tree: SourceTree | None = None, *, allow_variable: bool = False) -> Resolved:
@@ -280,7 +281,7 @@ def resolve(target: str, tree: SourceTree | None = None, *, allow_variable: bool
     for depth in range(len(qualname) - 1):
         owner = ".".join(qualname[depth:-1])
         rebinds += [s for s in _flatten(scopes[depth]) if _rebinds_attribute(s, owner, qualname[-1])]
-    return Resolved(target, rel, qualname, node, rebinds, bindings, tree.text(rel))
+    return Resolved(target, rel, qualname, node, rebinds, bindings, tree.text(rel), module)
 
 
 def _short(node: ast.AST, limit: int = 120) -> str:
@@ -426,8 +427,7 @@ def new_name_definition(owner: Resolved, name: str) -> ast.stmt | None:
     inside = [s for s in _flatten(owner.node.body) if _binds(s, name)]
     if inside:
         return inside[-1]
-    tree_module = ast.parse(owner.text)
-    scopes = [tree_module.body]
+    scopes = [owner.module.body]
     outside = []
     for depth in range(len(owner.qualname)):
         owner_dotted = ".".join(owner.qualname[depth:])
