@@ -121,6 +121,12 @@ class WheelTree(SourceTree):
             return None
         return self._zip.read(rel).decode("utf-8")
 
+    def version(self) -> str | None:
+        # A wheel's name carries its version: sglang-0.5.23-cp311-...whl
+        parts = self.path.name.split("-")
+        named = parts[1] if len(parts) > 2 and parts[0] == "sglang" else None
+        return super().version() or named
+
 
 def package_root(top_level: str = "sglang") -> Path:
     spec = importlib.util.find_spec(top_level)
