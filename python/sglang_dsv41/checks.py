@@ -40,10 +40,9 @@ def patch_problems(patch: Patch) -> list[Problem]:
         return Problem(patch.id, patch.target, msg)
 
     try:
-        node = fp.find_node(patch.fingerprint_target)
+        got = fp.fingerprint_of(patch)  # the same function upgrade-check uses
     except fp.TargetNotFound as exc:
         return [problem(f"upstream target not found: {exc}")]
-    got = fp.fingerprint_node(node)
     out = []
     if got.signature != patch.signature:
         out.append(

@@ -1,4 +1,4 @@
-"""``sglang-dsv41``: doctor, fingerprint, patches-doc, plan."""
+"""``sglang-dsv41``: doctor, fingerprint, patches-doc, plan, upgrade-check."""
 
 from __future__ import annotations
 
@@ -114,6 +114,18 @@ def doctor(_args) -> int:
             _line(BAD, f"{patch.id:<14} {patch.target}: " + "; ".join(p.message for p in problems))
         else:
             _line(OK, f"{patch.id:<14} {patch.kind.value:<13} {patch.target} fingerprint {patch.ast_sha}")
+    from sglang_dsv41 import pinned_internals
+
+    drifted = 0
+    for internal in pinned_internals.INTERNALS:
+        problems = pinned_internals.problems(internal)
+        if problems:
+            drifted += 1
+            _line(BAD, f"internal {internal.name} ({internal.used_by}): " + "; ".join(problems))
+    if not drifted:
+        _line(OK, f"{len(pinned_internals.INTERNALS)} pinned sglang internals the tooling uses "
+                  "match their fingerprints")
+    failed |= bool(drifted)
     for verdict, text in _entry_point_findings() + _foreign_hook_findings():
         failed |= verdict == BAD
         _line(verdict, text)
@@ -121,22 +133,27 @@ def doctor(_args) -> int:
     return 1 if failed else 0
 
 
-def _rewrite_fingerprints(table_path: Path, only: set[str] | None = None) -> int:
-    """Rewrite signature/ast_sha literals of every entry from the installed sources."""
+def _rewrite_fingerprints(table_path: Path, items, call_name: str, key: str,
+                          namespace: dict, only: set[str] | None = None) -> int:
+    """Rewrite the signature/ast_sha literals of every ``call_name(...)`` entry of a
+    table module from the installed sources (``key`` is the field naming it)."""
     text = table_path.read_text()
     tree = ast.parse(text)
     offsets = [0]
     for line in text.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(line))
+    by_key = {item.id: item for item in items}
     edits = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Patch"):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == call_name):
             continue
         kw = {k.arg: k.value for k in node.keywords}
-        patch = next(p for p in PATCHES if p.id == kw["id"].value)
-        if only and patch.id not in only:
+        # The key may be built from module constants (an f-string): evaluate it there.
+        name = eval(compile(ast.Expression(kw[key]), str(table_path), "eval"), dict(namespace))
+        item = by_key[name]
+        if only and item.id not in only:
             continue
-        got = fp.fingerprint(patch.fingerprint_target)
+        got = fp.fingerprint_of(item)
         for field, value in (("signature", got.signature), ("ast_sha", got.ast_sha)):
             v = kw[field]
             start = offsets[v.lineno - 1] + v.col_offset
@@ -149,23 +166,29 @@ def _rewrite_fingerprints(table_path: Path, only: set[str] | None = None) -> int
 
 
 def fingerprint_cmd(args) -> int:
+    from sglang_dsv41 import pinned_internals
+
     if args.update:
         import sglang_dsv41.patch_table as table
 
-        n = _rewrite_fingerprints(Path(table.__file__), set(args.ids) or None)
-        print(f"rewrote fingerprints of {n} patches in {table.__file__}")
+        only = set(args.ids) or None
+        n = _rewrite_fingerprints(Path(table.__file__), PATCHES, "Patch", "id", vars(table), only)
+        m = _rewrite_fingerprints(Path(pinned_internals.__file__), pinned_internals.INTERNALS,
+                                  "Internal", "name", vars(pinned_internals), only)
+        print(f"rewrote fingerprints of {n} patches in {table.__file__} and of {m} internals "
+              f"in {pinned_internals.__file__}")
         return 0
     drift = 0
-    for patch in PATCHES:
+    for item in PATCHES + pinned_internals.INTERNALS:
         try:
-            got = fp.fingerprint(patch.fingerprint_target)
+            got = fp.fingerprint_of(item)
         except fp.TargetNotFound as exc:
-            print(f"{patch.id}: MISSING {exc}")
+            print(f"{item.id}: MISSING {exc}")
             drift += 1
             continue
-        same = got.signature == patch.signature and got.ast_sha == patch.ast_sha
+        same = got.signature == item.signature and got.ast_sha == item.ast_sha
         drift += not same
-        print(f"{patch.id}: {'same' if same else 'DRIFT'} {patch.fingerprint_target} "
+        print(f"{item.id}: {'same' if same else 'DRIFT'} {item.fingerprint_target} "
               f"{got.ast_sha} {got.signature}")
     return 1 if drift else 0
 
@@ -188,6 +211,12 @@ def plan_cmd(args) -> int:
     return plan_main(args.compose_files)
 
 
+def upgrade_check_cmd(args) -> int:
+    from sglang_dsv41.upgrade_check import main as upgrade_main
+
+    return upgrade_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-dsv41")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -200,9 +229,21 @@ def main(argv=None) -> int:
     d.add_argument("--write", metavar="PATH")
     pl = sub.add_parser("plan", help="check docker compose topologies offline")
     pl.add_argument("compose_files", nargs="+")
+    u = sub.add_parser(
+        "upgrade-check",
+        help="compare a candidate sglang release with the pinned one under every patch",
+        description="Read a candidate sglang (wheel, folder holding the sglang package, a "
+        "version to pip download, or 'latest') without importing it; one line per patch: "
+        "same / DRIFT / GONE. Exit 0: nothing to review; 1: something drifted; 2: bad input.")
+    u.add_argument("candidate", metavar="WHEEL|FOLDER|VERSION")
+    u.add_argument("--pinned", metavar="WHEEL|FOLDER|VERSION",
+                   help="compare against this release instead of the installed pinned sglang")
+    u.add_argument("--json", action="store_true", help="the report as JSON")
+    u.add_argument("--download-timeout", type=float, default=600, metavar="SECONDS")
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
-               "patches-doc": patches_doc_cmd, "plan": plan_cmd}[args.cmd]
+               "patches-doc": patches_doc_cmd, "plan": plan_cmd,
+               "upgrade-check": upgrade_check_cmd}[args.cmd]
     return handler(args)
 
 

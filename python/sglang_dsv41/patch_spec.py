@@ -41,6 +41,18 @@ class Patch:
     is ``<owner class path>.<new name>`` and the fingerprint is taken from the
     owner class, so an upstream change to the class is noticed.
     ``hook`` is ``module:callable`` inside this package, imported lazily.
+
+    ``depends_on`` says what the hook relies on, and so what the fingerprint
+    covers (see ``fingerprint``): ``"source"`` (signature and code, the default)
+    or ``"signature"`` (a hook that only needs the call shape, such as a BEFORE
+    on a constructor that reads its arguments). A NEW_ATTRIBUTE entry is
+    fingerprinted by the owner class header, the absence of the new name and the
+    owner's methods listed in ``relies_on`` (the ones the new code calls or
+    whose behaviour it assumes).
+
+    ``upstream`` names the upstream pull request or issue that would make the
+    patch unnecessary, where one exists; ``remove_when`` is the condition under
+    which the patch can go.
     """
 
     id: str
@@ -53,6 +65,10 @@ class Patch:
     source: str
     signature: str
     ast_sha: str
+    depends_on: str = "source"
+    relies_on: tuple[str, ...] = ()
+    upstream: str | None = None
+    remove_when: str = ""
 
     @property
     def owner_path(self) -> str:
@@ -68,6 +84,13 @@ class Patch:
         if self.kind is HookKind.NEW_ATTRIBUTE:
             return self.owner_path
         return self.target
+
+    @property
+    def new_attribute(self) -> str | None:
+        """The name a NEW_ATTRIBUTE entry adds; None for every other kind."""
+        return self.attribute if self.kind is HookKind.NEW_ATTRIBUTE else None
+
+    allows_variable = False  # a patch target is always a def or a class
 
     @property
     def resolution_step(self) -> str:

@@ -27,7 +27,12 @@ PATCHES: tuple[Patch, ...] = (
         "that every patch owed to the scheduler role is installed and logs the status line.",
         source="this package (sglang's loader swallows hook failures)",
         signature="(self, server_args: ServerArgs, port_args: PortArgs)",
-        ast_sha="451e6fc7ed80c78c",
+        ast_sha="7c245dffa1126dfe",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed; until then this "
+        "check is the only proof that a process runs patched code",
     ),
     Patch(
         id="ACT-TOKENIZER",
@@ -40,7 +45,12 @@ PATCHES: tuple[Patch, ...] = (
         "every multi-tokenizer HTTP worker; verifies the patches owed to that role.",
         source="this package",
         signature="(self, server_args: ServerArgs, port_args: PortArgs, *, start_pd_bootstrap_service: bool=True)",
-        ast_sha="9194cd9ba33f0fac",
+        ast_sha="a8c4b0ed14e9ffd9",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed; until then this "
+        "check is the only proof that a process runs patched code",
     ),
     Patch(
         id="ACT-ROUTER",
@@ -53,7 +63,12 @@ PATCHES: tuple[Patch, ...] = (
         "TokenizerManager; verifies the launcher's patches there.",
         source="this package",
         signature="(self, server_args: ServerArgs, port_args: PortArgs)",
-        ast_sha="8d460203f1750357",
+        ast_sha="7c245dffa1126dfe",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed; until then this "
+        "check is the only proof that a process runs patched code",
     ),
     Patch(
         id="ACT-DETOK",
@@ -65,7 +80,12 @@ PATCHES: tuple[Patch, ...] = (
         reason="First object the detokenizer process builds after load_plugins().",
         source="this package",
         signature="(self, server_args: ServerArgs, port_args: PortArgs)",
-        ast_sha="cac29a0cbd6a263d",
+        ast_sha="7c245dffa1126dfe",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed; until then this "
+        "check is the only proof that a process runs patched code",
     ),
     Patch(
         id="ACT-DPC",
@@ -77,7 +97,12 @@ PATCHES: tuple[Patch, ...] = (
         reason="First object the DP controller process builds after load_plugins().",
         source="this package",
         signature="(self, server_args: ServerArgs, port_args: PortArgs, run_scheduler_process_func: Callable, prelaunched_schedulers: dict[tuple[int, int], tuple[int, Connection]] | None=None)",
-        ast_sha="3456bfad1061e316",
+        ast_sha="a7f0af3afa1d32f7",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed; until then this "
+        "check is the only proof that a process runs patched code",
     ),
     # --- vision-cp: DeepSeek-V4.1 vision with prefill context parallelism
     Patch(
@@ -91,10 +116,14 @@ PATCHES: tuple[Patch, ...] = (
         "resolved to disabled (error when explicit), DSpark with decoder SWA bounded replay "
         "refused; encoder SWA bounded replay refused under prefill CP, which upstream "
         "misses because attention CP is declared only after this validator.",
-        source="seed arg_groups/deepseek_v4_hook.py (_validate_deepseek_v41_vision_prefill_cp, "
-        "'context parallelism' incompatibility); UPSTREAM-0.5.23 rows B1, B2",
+        source="the original fork's arg_groups/deepseek_v4_hook.py (_validate_deepseek_v41_vision_prefill_cp, "
+        "'context parallelism' incompatibility)",
         signature="(server_args: ServerArgs)",
-        ast_sha="4194690793d556cd",
+        ast_sha="f5c2fb7f887b62b2",
+        upstream=None,
+        remove_when="upstream validates V4.1 vision with prefill CP itself (interleave only, no "
+        "prefill CUDA graph, no DSpark decoder or encoder SWA bounded replay) and "
+        "declares attention CP before this validator runs",
     ),
     Patch(
         id="VCP-BUILD",
@@ -111,10 +140,12 @@ PATCHES: tuple[Patch, ...] = (
         "get_parallel().override(attn_cp_size=1) fails sglang's topology validation. An "
         "AROUND instead of a REPLACE of the 99-line constructor; the fingerprint pins the "
         "statement order it relies on, and a constructor that never builds the tower fails.",
-        source="seed models/deepseek_v4.py (DeepseekV4ForCausalLM.__init__ vision guard); "
-        "UPSTREAM-0.5.23 row B4 option (b)",
+        source="the original fork's models/deepseek_v4.py (DeepseekV4ForCausalLM.__init__ vision guard)",
         signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
-        ast_sha="1f322574a840203c",
+        ast_sha="ae3cc1b161320387",
+        upstream=None,
+        remove_when="upstream DeepseekV4ForCausalLM builds its vision tower with attention CP > 1 "
+        "(the open prefill-CP work still refuses multimodal requests under CP)",
     ),
     Patch(
         id="VCP-PREPARE",
@@ -126,9 +157,13 @@ PATCHES: tuple[Patch, ...] = (
         reason="The name the eager CP runner (VCP-RUNNER) calls to prepare model inputs on the "
         "full extend layout; delegates to upstream prepare_language_model_inputs (image merge, "
         "placeholder-hash remap), so hooks on that method also cover the CP path.",
-        source="seed models/deepseek_v4.py (prepare_model_inputs); UPSTREAM-0.5.23 row B6",
+        source="the original fork's models/deepseek_v4.py (prepare_model_inputs)",
         signature="class DeepseekV4ForCausalLM(nn.Module)",
-        ast_sha="5485385d04d4a650",
+        ast_sha="e35290e4c19dc21b",
+        relies_on=("prepare_language_model_inputs",),
+        upstream=None,
+        remove_when="upstream's CP runner prepares multimodal inputs on the full extend layout "
+        "(then VCP-RUNNER goes too, and nothing calls this name)",
     ),
     Patch(
         id="VCP-RUNNER",
@@ -144,11 +179,14 @@ PATCHES: tuple[Patch, ...] = (
         "the scheduler's ids. REPLACE of the 75-line method: passing embeddings through "
         "kwargs leaves the routing and logits ids raw, and an AROUND could only swap "
         "forward_batch.input_ids for the whole forward, mutating state the scheduler owns.",
-        source="seed model_executor/runner/eager_runner.py; UPSTREAM-0.5.23 row B5",
+        source="the original fork's model_executor/runner/eager_runner.py (_execute_extend_cp)",
         signature="(self, forward_batch: ForwardBatch, kwargs: dict)",
-        ast_sha="07f87b7e9b6875da",
+        ast_sha="39e3d4f7ff07d48e",
+        upstream=None,
+        remove_when="upstream EagerRunner._execute_extend_cp merges images before it shards, and "
+        "feeds the merged ids to the embedding, routing and logits",
     ),
-    # === vision-cp runtime (issue 5) entries above this line ===
+    # === vision-cp runtime entries above this line ===
     # --- owner-broadcast: one rank encodes each image span, the group agrees
     Patch(
         id="OWN-GROUP",
@@ -162,10 +200,13 @@ PATCHES: tuple[Patch, ...] = (
         "replicates the image work; None otherwise or with SGLANG_DSV41_OWNER_BROADCAST=0. "
         "Gives it a chunk router (routing policy from the environment; a bad value stops the "
         "build naming the variable). Logs the decision once per process.",
-        source="seed models/deepseek_v4.py (mm_owner_group in __init__), "
-        "managers/mm_owner_embedding.py (select_owner_group); UPSTREAM-0.5.23 row C4",
+        source="the original fork's models/deepseek_v4.py (mm_owner_group in __init__), "
+        "managers/mm_owner_embedding.py (select_owner_group)",
         signature="(self, config: DeepSeekV4Config, quant_config: Optional[QuantizationConfig]=None, prefix: str='')",
-        ast_sha="1f322574a840203c",
+        ast_sha="ae3cc1b161320387",
+        upstream=None,
+        remove_when="upstream encodes each image once per TP/CP group and shares the embedding "
+        "(the whole owner-broadcast group goes together)",
     ),
     Patch(
         id="OWN-FENCE",
@@ -181,10 +222,11 @@ PATCHES: tuple[Patch, ...] = (
         "latter in a status-only session); the others open an owner session. Sessions fence the "
         "whole input preparation, so a failure on any rank becomes the same error on every rank "
         "instead of a hang.",
-        source="seed models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session); "
-        "UPSTREAM-0.5.23 rows C4, B6",
+        source="the original fork's models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session)",
         signature="(self, input_ids: torch.Tensor, forward_batch: ForwardBatch, input_embeds: Optional[torch.Tensor]=None)",
-        ast_sha="873f6b875451f57e",
+        ast_sha="34bbfa53a7e0eb4e",
+        upstream=None,
+        remove_when="the owner-broadcast group goes (see OWN-GROUP)",
     ),
     Patch(
         id="OWN-ADMIT",
@@ -199,9 +241,11 @@ PATCHES: tuple[Patch, ...] = (
         "a process with a chunk router and not on a PD decode server (it embeds no images); "
         "the chunk still checks that the table is of the request's current item list and "
         "rebuilds it otherwise.",
-        source="this package (the chunk routing is ours; the seed has none)",
+        source="this package (the chunk routing is ours; the original fork has none)",
         signature="(self, image_inputs)",
-        ast_sha="b35d1ec6843c0e97",
+        ast_sha="6cd0c8ac21227118",
+        upstream=None,
+        remove_when="the owner-broadcast group goes (see OWN-GROUP)",
     ),
     Patch(
         id="OWN-TEXT-EMBED",
@@ -214,10 +258,11 @@ PATCHES: tuple[Patch, ...] = (
         "wrapper that agrees features_ready (together with its own local lookup) before the "
         "embedding's TP all-reduce. The agreement point sits in the middle of embed_mm_inputs "
         "(145 lines); replacing this 15-line caller avoids copying that function.",
-        source="seed managers/mm_utils.py (features_ready, uncaptured text embedding); "
-        "UPSTREAM-0.5.23 row C3",
+        source="the original fork's managers/mm_utils.py (features_ready, uncaptured text embedding)",
         signature="(self, input_ids, forward_batch)",
-        ast_sha="2f73f3618d0677b4",
+        ast_sha="eff592bf5f5a4dcd",
+        upstream=None,
+        remove_when="the owner-broadcast group goes (see OWN-GROUP)",
     ),
     Patch(
         id="OWN-ENCODE",
@@ -230,12 +275,14 @@ PATCHES: tuple[Patch, ...] = (
         "engaged session, fill each request's overlapping list (0.5.23 3-tuple format) and "
         "resolve the spans through the owner protocol (one encode per span in the group, "
         "broadcast to the rest); otherwise (no session, or a status-only one) the stock encode.",
-        source="seed managers/mm_schedule.py (_collect_image_span_requests, "
-        "_owner_span_encoder); UPSTREAM-0.5.23 rows C1, C2",
+        source="the original fork's managers/mm_schedule.py (_collect_image_span_requests, "
+        "_owner_span_encoder)",
         signature="(data_embedding_func: DataEmbeddingFunc, per_image_requests: List[PerImageRequestInfo], device: torch.device)",
-        ast_sha="fbbc8fa72fee0535",
+        ast_sha="f73aa2cb968e7fcf",
+        upstream=None,
+        remove_when="the owner-broadcast group goes (see OWN-GROUP)",
     ),
-    # === owner-broadcast (issue 3) entries above this line ===
+    # === owner-broadcast entries above this line ===
     # --- mooncake-nvlink: keep intra-node NVLink for device memory, host blocks beside it
     Patch(
         id="MC-NVL-REGIONS",
@@ -247,10 +294,14 @@ PATCHES: tuple[Patch, ...] = (
         reason="Under Mooncake's intra-node NVLink transport one host region fails the whole "
         "batch registration and every later transfer; register device regions only and log "
         "what was left out. Also builds the per-manager routing state used by MC-NVL-TRANSFER.",
-        source="seed disaggregation/mooncake/conn.py (_registerable_regions NVLink filter, "
-        "_nvlink_intra_transport_active, _is_device_pointer); UPSTREAM-0.5.23 rows E1, E2",
+        source="the original fork's disaggregation/mooncake/conn.py (_registerable_regions NVLink filter, "
+        "_nvlink_intra_transport_active, _is_device_pointer)",
         signature="(self)",
-        ast_sha="6ec9479b86d8c37c",
+        ast_sha="ae8f174a1cd8a137",
+        upstream=None,
+        remove_when="Mooncake's intra-node NVLink transport accepts host memory regions, or "
+        "sglang stops registering host regions under it (the mooncake-nvlink group "
+        "goes together)",
     ),
     Patch(
         id="MC-NVL-TRANSFER",
@@ -263,10 +314,12 @@ PATCHES: tuple[Patch, ...] = (
         "host-sourced ones as host-block frames on the decode endpoint's ordered zmq socket "
         "(found in transfer_infos), ahead of the completion status. Aux takes this path too, "
         "so send_aux needs no hook.",
-        source="seed disaggregation/mooncake/conn.py (_transfer_data split, _send_host_blocks_tcp, "
-        "send_aux TCP routing); UPSTREAM-0.5.23 rows E3, E4, E6",
+        source="the original fork's disaggregation/mooncake/conn.py (_transfer_data split, _send_host_blocks_tcp, "
+        "send_aux TCP routing)",
         signature="(self, mooncake_session_id, transfer_blocks)",
-        ast_sha="2864acc7a8b8889a",
+        ast_sha="1dfbc019c800fbb0",
+        upstream=None,
+        remove_when="the mooncake-nvlink group goes (see MC-NVL-REGIONS)",
     ),
     Patch(
         id="MC-NVL-AUX-RECV",
@@ -278,12 +331,14 @@ PATCHES: tuple[Patch, ...] = (
         reason="Decode thread: host-block frames travel as AUX_DATA with a tag; write them only "
         "inside published regions with the exact declared length, drop and log anything else, "
         "never let a bad frame stop the thread. Avoids replacing the start_decode_thread closure.",
-        source="seed disaggregation/mooncake/conn.py (STATE_DATA_HEADER, _handle_state_data, "
-        "_host_transfer_regions); UPSTREAM-0.5.23 row E5",
+        source="the original fork's disaggregation/mooncake/conn.py (STATE_DATA_HEADER, _handle_state_data, "
+        "_host_transfer_regions)",
         signature="(self, msg: List[bytes])",
-        ast_sha="fe1cc6da028906c9",
+        ast_sha="be999ecf897db34a",
+        upstream=None,
+        remove_when="the mooncake-nvlink group goes (see MC-NVL-REGIONS)",
     ),
-    # === mooncake-nvlink (issue 4) entries above this line ===
+    # === mooncake-nvlink entries above this line ===
     # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
     Patch(
         id="PDH-PAIRING",
@@ -298,12 +353,16 @@ PATCHES: tuple[Patch, ...] = (
         "or rank mapping resolved. AROUND with a scoped, per-thread PrefillServerInfo "
         "rebinding and a manager view instead of a REPLACE of the whole method; the "
         "fingerprint covers the body those substitutions rely on.",
-        source="seed disaggregation/common/conn.py (try_ensure_parallel_info TP/CP "
-        "relaxation); UPSTREAM-0.5.23 row D2; issue 6 decision",
+        source="the original fork's disaggregation/common/conn.py (try_ensure_parallel_info TP/CP "
+        "relaxation), narrowed to the pairing rule of core.pd_pairing",
         signature="(self, bootstrap_addr: str)",
-        ast_sha="b642fd15fc5d3f71",
+        ast_sha="4ba2b8ed17654460",
+        upstream="sgl-project/sglang#40161 (open: DeepSeek-V4.1 prefill CP; accepts PD pairs "
+        "of equal total attention width)",
+        remove_when="the pinned sglang accepts every pairing core.pd_pairing accepts and rejects "
+        "the rest naming the fields; keep the pairing table as an upstream pin then",
     ),
-    # === pd-handshake (issue 6) entries above this line ===
+    # === pd-handshake entries above this line ===
     # --- embed-overrides: token-embedding overrides never meet multimodal placeholder rows
     Patch(
         id="EMB-ADMIT",
@@ -317,9 +376,12 @@ PATCHES: tuple[Patch, ...] = (
         "embed_overrides + embed_override_token_id pair) together with image, video or audio "
         "input: the base embedding lookup of overrides cannot index placeholder hash ids. "
         "TokenizerWorker inherits the method, so multi-tokenizer workers refuse it too.",
-        source="seed managers/tokenizer_manager.py (_validate_one_request); UPSTREAM-0.5.23 row G1",
+        source="the original fork's managers/tokenizer_manager.py (_validate_one_request)",
         signature="(self, obj: Union[GenerateReqInput, EmbeddingReqInput], input_ids: List[int])",
-        ast_sha="b07f3e2b9e53a92d",
+        ast_sha="4a56b6b27107f54a",
+        upstream=None,
+        remove_when="upstream refuses embedding overrides together with multimodal input (the "
+        "embed-overrides group goes together)",
     ),
     Patch(
         id="EMB-CAN-SHARE",
@@ -331,10 +393,12 @@ PATCHES: tuple[Patch, ...] = (
         reason="The sharing rule as a PrefillAdder method: an override request may not join "
         "admitted multimodal requests and vice versa (the continuing chunk counts, since "
         "add_chunked_req puts it in can_run_list first).",
-        source="seed managers/schedule_policy.py (PrefillAdder.can_share_extend_batch); "
-        "UPSTREAM-0.5.23 row G2",
+        source="the original fork's managers/schedule_policy.py (PrefillAdder.can_share_extend_batch)",
         signature="class PrefillAdder()",
-        ast_sha="42d4c52dc48b4702",
+        ast_sha="a848c37a6dcd1b37",
+        relies_on=("add_chunked_req", "add_one_req"),
+        upstream=None,
+        remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
     Patch(
         id="EMB-ADD-ONE",
@@ -347,17 +411,18 @@ PATCHES: tuple[Patch, ...] = (
         "add_one_req's own 'pass is full' verdict, so the admission loop (plain and DLLM) undoes "
         "the request's per-pass state and stops: first come, first served, the refused request "
         "stays at the queue head and is admitted once the multimodal chunk ahead of it drains "
-        "(no starvation). Chosen over the seed's exact placement (a check before the loop's "
+        "(no starvation). Chosen over the original fork's exact placement (a check before the loop's "
         "prefix match) because that needs a REPLACE of the 336-line admission method or an "
         "iterator trick on waiting_queue, both far more fragile across upgrades. The only "
         "difference is that the prefix match, hicache prefetch pop and staging run for the "
         "refused request first: exactly what happens today whenever add_one_req refuses a "
         "request because the pass is full, a path upstream already handles. The one costly "
         "side effect, priority preemption, is closed by EMB-PREEMPT.",
-        source="seed managers/scheduler.py (admission loop break on can_share_extend_batch); "
-        "UPSTREAM-0.5.23 row G3",
+        source="the original fork's managers/scheduler.py (admission loop break on can_share_extend_batch)",
         signature="(self, req: Req, has_chunked_req: bool, truncation_align_size: Optional[int])",
-        ast_sha="52fe90559106142a",
+        ast_sha="ea070524dac3f43c",
+        upstream=None,
+        remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
     Patch(
         id="EMB-PREEMPT",
@@ -369,11 +434,12 @@ PATCHES: tuple[Patch, ...] = (
         reason="With priority preemption and a full batch, the loop preempts running requests "
         "before add_one_req runs; for a request EMB-ADD-ONE will refuse that would evict "
         "running work for nothing. Returning False (nothing preempted) makes the loop stop, "
-        "which is where the seed's check stopped it.",
-        source="this package (keeps the seed's ordering for the one costly side effect); "
-        "UPSTREAM-0.5.23 row G3 caveat",
+        "which is where the original fork's check stopped it.",
+        source="this package (keeps the original fork's ordering for the one costly side effect)",
         signature="(self, req: Req)",
-        ast_sha="5dad39caf67060ec",
+        ast_sha="680b2994670e25ec",
+        upstream=None,
+        remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
     Patch(
         id="EMB-INTAKE",
@@ -386,9 +452,11 @@ PATCHES: tuple[Patch, ...] = (
         "(a path that skipped EMB-ADMIT) could share a batch with nothing, itself included: it "
         "would block the queue head forever or stop the scheduler at EMB-LOOKUP. It is aborted "
         "through sglang's ordinary early-abort path instead, so only that request fails.",
-        source="this package (fail closed for the case the seed leaves to the runner check)",
+        source="this package (fail closed for the case the original fork leaves to the runner check)",
         signature="(self, req: Req, is_retracted: bool=False)",
-        ast_sha="05c1c713a904540e",
+        ast_sha="981a631aee56405e",
+        upstream=None,
+        remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
     Patch(
         id="EMB-LOOKUP",
@@ -402,12 +470,13 @@ PATCHES: tuple[Patch, ...] = (
         "batch covers multimodal placeholder rows, instead of indexing hash ids outside the "
         "vocabulary. Recorded spans are checked on the host; media without recorded spans is "
         "checked on the token ids.",
-        source="seed model_executor/model_runner.py + misc_utils.validate_replace_embeds_batch; "
-        "UPSTREAM-0.5.23 row G4",
+        source="the original fork's model_executor/model_runner.py + misc_utils.validate_replace_embeds_batch",
         signature="(self, forward_batch: ForwardBatch, pp_proxy_tensors)",
-        ast_sha="ed9bf58fa646d48f",
+        ast_sha="3c075edbad9e2365",
+        upstream=None,
+        remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
-    # === embed-overrides (issue 5) entries above this line ===
+    # === embed-overrides entries above this line ===
 )
 
 

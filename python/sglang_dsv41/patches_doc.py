@@ -10,6 +10,16 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _covers(p) -> str:
+    if p.new_attribute:
+        relied = ", ".join(f"`{m}`" for m in p.relies_on) or "none"
+        return (f"the owner class header, `{p.new_attribute}` still absent upstream, and the "
+                f"code of the methods it relies on ({relied})")
+    if p.depends_on == "signature":
+        return "signature, decorators and binding only (the hook does not depend on the body)"
+    return "signature, code and binding"
+
+
 def render() -> str:
     lines = [
         "# Patches carried by sglang-dsv41",
@@ -17,7 +27,9 @@ def render() -> str:
         "Generated from `python/sglang_dsv41/patch_table.py` by "
         "`sglang-dsv41 patches-doc --write docs/PATCHES.md`; a test fails when it is stale.",
         f"Fingerprints are of sglang {PINNED_SGLANG_VERSION}'s installed sources "
-        "(signature + sha256 of the normalized AST, first 16 hex digits).",
+        "(sha256 of what each hook depends on, normalized AST, first 16 hex digits; "
+        "see `fingerprint.py`). `sglang-dsv41 upgrade-check` compares a new release "
+        "against them (docs/UPGRADING.md).",
         "",
         f"{len(PATCHES)} patches.",
         "",
@@ -38,8 +50,11 @@ def render() -> str:
             f"- roles: {', '.join(sorted(r.value for r in p.roles))}",
             f"- why: {_cell(p.reason)}",
             f"- behaviour from: {_cell(p.source)}",
+            f"- fingerprint covers: {_covers(p)}",
             f"- upstream signature: `{_cell(p.signature)}`",
             f"- upstream ast sha: `{p.ast_sha}`",
+            f"- upstream change that would make it unnecessary: {_cell(p.upstream or 'none known')}",
+            f"- remove when: {_cell(p.remove_when or 'not stated')}",
             "",
         ]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ One rule, used in two places:
   any rank mapping;
 * by our tools (``sglang-dsv41 plan``), which check a deployment before it starts.
 
-The rule (the decision of issue 6). When both servers run DSpark with identical
+The rule. When both servers run DSpark with identical
 per-rank transfer layouts and an MLA or hybrid-MLA KV pool, these attention shapes
 pair (decode attention CP is always 1 in sglang 0.5.23):
 

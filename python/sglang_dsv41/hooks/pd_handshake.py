@@ -2,7 +2,7 @@
 
 ``CommonKVManager.try_ensure_parallel_info`` fetches a prefill's published parallel
 info, checks it, resolves the rank mapping and caches it, all in one method. Its
-DeepSeek-V4.1 DSpark block predates the pairing decision of issue 6 (it rejects
+DeepSeek-V4.1 DSpark block predates our pairing rule (``core.pd_pairing``; it rejects
 case (c) and lets non-MLA CP pairs through). Instead of replacing the whole method,
 this AROUND hook runs it with two scoped substitutions, for the calling thread and
 for the duration of one uncached fetch:
