@@ -214,7 +214,9 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
             with contextlib.redirect_stderr(captured), override_platform(is_cuda=True, is_hip=False):
                 server_args = prepare_server_args(argv)
                 server_args.resolve_once()
-        except SystemExit:
+        except SystemExit as exc:
+            if isinstance(exc.code, str):  # a refusal with its reason (the launch guard's)
+                raise ResolutionFailed(f"sglang serve refuses to start: {exc.code}") from None
             lines = [ln for ln in captured.getvalue().splitlines() if ln.strip()]
             raise ResolutionFailed("sglang serve rejects the command line: "
                                    + (lines[-1] if lines else "argument error")) from None
@@ -223,6 +225,7 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
         except Exception as exc:
             raise ResolutionFailed(f"sglang refuses these arguments: {exc}") from None
         view = resolving_view(server_args)
+        _record_guard_decision(service, server_args)
         widths = parallel_widths_of(view)
         model_config = model_config_of(server_args)
         hf_config = model_config.hf_config
@@ -271,6 +274,18 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
         derived_ports=derived,
         mooncake_master=mooncake_master,
     )
+
+
+# Service label -> what the launch guard (hooks/launch_guards.py) decided when
+# `sglang serve` resolved that service's command; printed with its layout.
+_guard_decisions: dict[str, str] = {}
+
+
+def _record_guard_decision(service: Service, server_args) -> None:
+    from sglang_dsv41.hooks.launch_guards import VERDICT_ATTRIBUTE
+
+    verdict = getattr(server_args, VERDICT_ATTRIBUTE, None)
+    _guard_decisions[service.label] = verdict.summary() if verdict else "not run (plugin not loaded)"
 
 
 def _mooncake_master(service: Service, view) -> str | None:
@@ -323,6 +338,7 @@ def _print_layouts(plan: Plan) -> None:
               f"attention DP {lay.attn_dp_size}, {cp}; {role}; DSpark {dspark}; "
               f"decoder SWA replay {'on' if lay.decoder_swa_bounded_replay else 'off'}; "
               f"hierarchical cache {hicache}; vision {'on' if lay.vision else 'off'}")
+        print(f"    launch guard: {_guard_decisions.get(svc.label, 'not run')}")
     for router in plan.routers:
         targets = ([f"prefill {u}" + (f" (bootstrap {b})" if b else "") for u, b in router.prefill]
                    + [f"decode {u}" for u in router.decode] + list(router.workers))

@@ -477,6 +477,31 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="the embed-overrides group goes (see EMB-ADMIT)",
     ),
     # === embed-overrides entries above this line ===
+    # --- launch-guards: `sglang serve` never lands in a known-crash layout
+    Patch(
+        id="GUARD-LAUNCH",
+        group="launch-guards",
+        target="sglang.srt.arg_groups.model_hook.handle_model_capability_adjustments",
+        kind=HookKind.RESOLUTION,
+        hook="sglang_dsv41.hooks.launch_guards:guard_resolved_layout",
+        roles=roles(Role.LAUNCHER),
+        reason="The known-crash rules of core/known_crashes.py (the same rules `plan` "
+        "reports) applied in the launcher's argument resolution, before any process starts. "
+        "Decoder SWA bounded replay that sglang turned on by default for DSpark with DP "
+        "attention or prefill CP is turned off with one log line; the same layout with "
+        "--enable-decoder-swa-bounded-replay given explicitly, and an explicit prefill CUDA "
+        "graph under DeepSeek-V4 prefill CP that would be captured and never replayed (unless "
+        "SGLANG_DSV41_CP_BCG=1), stop the launcher with one line naming the flags. A wrapper "
+        "of this resolution step, the model-capability step: it runs after every step that "
+        "decides what the rules read, and sglang's replay default has no step of its own.",
+        source="the original fork's compose field notes (cp4 + dspark + replay; dp + dspark + "
+        "replay); upstream model_runner._prefill_cuda_graph_allows_context_parallel",
+        signature="(server_args: Any)",
+        ast_sha="2e15e28db8c51606",
+        upstream=None,
+        remove_when="sglang's own validation refuses these layouts, or a GPU re-test on the "
+        "pinned release shows they no longer crash",
+    ),
 )
 
 

@@ -47,6 +47,6 @@ with override_platform(is_cuda=True, is_hip=False):
             view = resolved_view(args)
             out.update(ok=True, attn_cp=view.attn_cp_size,
                        prefill_backend=str(view.cuda_graph_config.prefill.backend))
-        except Exception as exc:  # the verdict under test
+        except (Exception, SystemExit) as exc:  # the verdict under test (the launch guard exits)
             out["error"] = f"{type(exc).__name__}: {exc}"
         print("CASE " + json.dumps(out), flush=True)

@@ -72,7 +72,12 @@ def test_rules_do_not_touch_text_only_or_non_cp_servers(with_plugin, stock):
     # judged by upstream alone, so our verdict equals stock's.
     for name in ("text_explicit_breakable", "vision_language_model_only_breakable", "vision_no_cp"):
         ours, theirs = with_plugin[name], stock[name]
-        assert ours["ok"] == theirs["ok"], (name, ours, theirs)
+        if not ours["ok"] and theirs["ok"]:
+            # The launch guard (test/launch_guards) refuses an explicit prefill graph
+            # that DeepSeek-V4 prefill CP would never replay, vision or not.
+            assert "never replayed" in ours["error"], (name, ours)
+        else:
+            assert ours["ok"] == theirs["ok"], (name, ours, theirs)
         if not ours["ok"]:
             assert "vision with prefill CP" not in ours["error"]
 
