@@ -90,14 +90,19 @@ def test_pd_servers_never_take_expandable_segments_from_env():
     assert seen_pd and seen_single
 
 
-def test_dp_attention_dspark_servers_keep_replay_off():
-    """Until the launch guard lands, every DP-attention + DSpark server says --no-enable-decoder-swa-bounded-replay."""
+def test_dp_attention_dspark_servers_leave_replay_to_the_launch_guard():
+    """DP-attention + DSpark servers name no replay flag: the launch guard turns sglang's default off.
+
+    Asking for replay there would be refused at launch; a leftover
+    --no-enable-decoder-swa-bounded-replay would hide whether the guard works.
+    """
     count = 0
     for name in TOPOLOGIES:
         for svc, args in _servers(name):
             if "--attn-dp-size" in args and "DSPARK" in args:
                 count += 1
-                assert "--no-enable-decoder-swa-bounded-replay" in args, svc.label
+                assert "--enable-decoder-swa-bounded-replay" not in args, svc.label
+                assert "--no-enable-decoder-swa-bounded-replay" not in args, svc.label
     assert count >= 6
 
 
