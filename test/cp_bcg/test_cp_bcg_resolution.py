@@ -174,11 +174,11 @@ def test_bcg_setting_refuses_other_values(raw):
         parse_cp_bcg_setting(raw)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_bcg_bad_setting_stops_plugin_load_naming_the_patch():
     proc = run_python(
         "from sglang.srt.plugins import load_plugins\nload_plugins()\nprint('LOADED')",
-        env={"SGLANG_DSV41_CP_BCG": "yes"},
+        env={"SGLANG_DSV41_CP_BCG": "yes"}, timeout=290,
     )
     assert proc.returncode != 0 and "LOADED" not in proc.stdout
     assert "CPBCG-" in proc.stderr and "SGLANG_DSV41_CP_BCG must be 0 or 1" in proc.stderr
