@@ -7,6 +7,7 @@ place that asks `supports_prefill_cp_bcg` (or the adapter choice) sees.
 """
 
 import json
+import os
 import sys
 
 # A scheduler process imports the prefill graph runner while unpickling its target,
@@ -43,6 +44,9 @@ CASES = {
     "vision_interleave": [vision_ckpt, *INTERLEAVE],
     "vision_language_model_only": [vision_ckpt, *INTERLEAVE, "--language-model-only"],
 }
+# The same server resolved in this process with the setting switched off for its
+# resolution only, as `plan` does with each service's own environment.
+CASES["text_interleave@setting_off"] = CASES["text_interleave"]
 
 only = sys.argv[3:] or list(CASES)
 print("BINDING " + json.dumps({
@@ -53,6 +57,9 @@ print("BINDING " + json.dumps({
 with override_platform(is_cuda=True, is_hip=False):
     for name in only:
         out = {"case": name, "ok": False, "error": None}
+        saved_setting = os.environ.get("SGLANG_DSV41_CP_BCG")
+        if name.endswith("@setting_off"):
+            os.environ["SGLANG_DSV41_CP_BCG"] = "0"
         try:
             args = prepare_server_args(["--model-path", *CASES[name]])
             args.resolve_once()
@@ -77,4 +84,9 @@ with override_platform(is_cuda=True, is_hip=False):
                     out["capture_buckets"] = f"ValueError: {exc}"
         except Exception as exc:  # the verdict under test
             out["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if saved_setting is None:
+                os.environ.pop("SGLANG_DSV41_CP_BCG", None)
+            else:
+                os.environ["SGLANG_DSV41_CP_BCG"] = saved_setting
         print("CASE " + json.dumps(out), flush=True)

@@ -64,9 +64,7 @@ REPLAYS = (
 
 @pytest.fixture
 def bcg_enabled(monkeypatch):
-    from sglang_dsv41.core import cp_bcg_rules
-
-    monkeypatch.setattr(cp_bcg_rules, "CP_BCG_ENABLED", True)
+    monkeypatch.setenv("SGLANG_DSV41_CP_BCG", "1")
 
 
 def stand_in_runner(embed: nn.Embedding, architecture: str = "DeepseekV4ForCausalLM"):
@@ -213,7 +211,8 @@ def test_bcg_adapter_keeps_addresses_and_fills_live_rows(bcg_enabled, size):
 
 
 @pytest.mark.timeout(60)
-def test_bcg_adapter_is_not_chosen_without_the_setting():
+def test_bcg_adapter_is_not_chosen_without_the_setting(monkeypatch):
+    monkeypatch.delenv("SGLANG_DSV41_CP_BCG", raising=False)
     embed = nn.Embedding(VOCAB, HIDDEN)
     with installed("CPBCG-INPUT"), cp_scope(2, 0, PeerShardsGroup(2, 0)):
         assert type(PrefillCPBCGInput.create(stand_in_runner(embed))) is InterleaveCPBCGInput

@@ -133,9 +133,7 @@ def eager_whole_prompt_hash(hasher, live):
 
 @pytest.fixture
 def bcg_enabled(monkeypatch):
-    from sglang_dsv41.core import cp_bcg_rules
-
-    monkeypatch.setattr(cp_bcg_rules, "CP_BCG_ENABLED", True)
+    monkeypatch.setenv("SGLANG_DSV41_CP_BCG", "1")
 
 
 @pytest.mark.timeout(120)
@@ -185,9 +183,7 @@ def test_bcg_engram_without_the_patch_or_setting_is_captured_in_the_graph(
     no break; a replay would reuse the capture batch's hash ids."""
     from contextlib import nullcontext
 
-    from sglang_dsv41.core import cp_bcg_rules
-
-    monkeypatch.setattr(cp_bcg_rules, "CP_BCG_ENABLED", enabled)
+    monkeypatch.setenv("SGLANG_DSV41_CP_BCG", "1" if enabled else "0")
     hasher = make_hasher()
     with (installed("CPBCG-ENGRAM") if patched else nullcontext()), \
             cp_scope(2, 0, PeerShardsGroup(2, 0)), torch.no_grad():

@@ -184,6 +184,15 @@ def test_bcg_bad_setting_stops_plugin_load_naming_the_patch():
     assert "CPBCG-" in proc.stderr and "SGLANG_DSV41_CP_BCG must be 0 or 1" in proc.stderr
 
 
+def test_bcg_setting_is_read_per_resolution(bcg_on):
+    """One process, the same server, the setting off for its resolution only (how
+    `plan` resolves each service under its own environment): stock answer."""
+    case = bcg_on["text_interleave@setting_off"]
+    assert case["ok"] and case["prefill_backend"] == "disabled"
+    assert case["supports_package"] is False and case["interleave_adapter"] == UPSTREAM_ADAPTER
+    assert bcg_on["text_interleave"]["prefill_backend"] == "breakable"
+
+
 def test_bcg_explicit_disabled_prefill_graph_is_respected(bcg_on):
     case = bcg_on["text_explicit_disabled"]
     assert case["supports_package"] is True

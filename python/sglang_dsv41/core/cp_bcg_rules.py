@@ -3,7 +3,7 @@
 sglang 0.5.23 ships the generic CP breakable-graph framework but enables it only
 for GLM: every DeepSeek-V4 prefill under CP runs eagerly. This package can add
 DeepSeek-V4 to it, opt-in only, because the capture and replay path has not run
-on the target GPUs here. The opt-in is one environment variable, read once.
+on the target GPUs here. The opt-in is one environment variable (``cp_bcg_enabled``).
 
 The supported shape is the one the framework's interleave adapter was built
 for, narrowed to what DeepSeek-V4 text prefill needs:
@@ -36,9 +36,16 @@ def parse_cp_bcg_setting(raw: str | None) -> bool:
     raise ValueError(f"{CP_BCG_ENV} must be 0 or 1 (unset means 0), got {raw!r}")
 
 
-# The one place the setting is read. A bad value stops the process at plugin
-# load, naming the patch whose hook imports this module.
-CP_BCG_ENABLED: bool = parse_cp_bcg_setting(os.environ.get(CP_BCG_ENV))
+def cp_bcg_enabled() -> bool:
+    """The one reading of the setting. Read where it is used, not cached: `plan`
+    resolves every server of a deployment in one process, each under its own
+    environment."""
+    return parse_cp_bcg_setting(os.environ.get(CP_BCG_ENV))
+
+
+# Checked once at import too, so a bad value stops the process at plugin load,
+# naming the patch whose hook imports this module.
+cp_bcg_enabled()
 
 
 @dataclass(frozen=True)

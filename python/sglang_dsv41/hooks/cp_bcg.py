@@ -1,7 +1,7 @@
 """Adapters: DeepSeek-V4 interleave prefill CP inside the breakable prefill CUDA graph.
 
 Everything here is a pass-through unless ``SGLANG_DSV41_CP_BCG=1``
-(``core.cp_bcg_rules.CP_BCG_ENABLED``):
+(``core.cp_bcg_rules.cp_bcg_enabled``):
 
 - ``around_supports_prefill_cp_bcg``: the one predicate sglang asks, from the
   launcher's argument resolution (default graph backend, incompatibility rules)
@@ -16,16 +16,8 @@ Everything here is a pass-through unless ``SGLANG_DSV41_CP_BCG=1``
 from __future__ import annotations
 
 import functools
-import logging
 
-from sglang_dsv41.core import cp_bcg_rules
-from sglang_dsv41.core.cp_bcg_rules import CPBCGArgs, cp_bcg_refusal
-
-logger = logging.getLogger(__name__)
-
-
-def cp_bcg_enabled() -> bool:
-    return cp_bcg_rules.CP_BCG_ENABLED
+from sglang_dsv41.core.cp_bcg_rules import CPBCGArgs, cp_bcg_enabled, cp_bcg_refusal
 
 
 # --- the support gate ------------------------------------------------------------------

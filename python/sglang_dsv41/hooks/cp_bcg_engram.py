@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 
-from sglang_dsv41.core import cp_bcg_rules
 from sglang_dsv41.core.cp_bcg_engram import write_live_hash_rows
+from sglang_dsv41.core.cp_bcg_rules import cp_bcg_enabled
 
 
 def _hash_live_prompt(original_forward, hasher, input_ids, out) -> None:
@@ -54,7 +54,8 @@ def _cp_prefill_in_breakable_graph(forward_batch) -> bool:
 
 def around_engram_hasher_forward(original, self, input_ids, forward_batch):
     """AROUND sglang.srt.layers.engram.EngramHasher.forward."""
-    if not (cp_bcg_rules.CP_BCG_ENABLED and _cp_prefill_in_breakable_graph(forward_batch)):
+    # The graph flag first: it is one module-global read on every other forward.
+    if not (_cp_prefill_in_breakable_graph(forward_batch) and cp_bcg_enabled()):
         return original(self, input_ids, forward_batch)
     out = self.new_hash_ids(input_ids)
     engram_cp_break()(original, self, input_ids, out)
