@@ -138,8 +138,14 @@ def check_replay(inp, batch, live, bucket, size, rank, embed):
     ids, positions = live.input_ids, live.positions
     mine = list(range(rank, n, size))
 
-    # MoE routing ids: every rank's rows, rank-major, each rank zero past its live rows.
-    expected_ids = torch.cat([padded_rows(ids[r::size], local_rows) for r in range(size)])
+    # MoE routing ids: every rank's rows, rank-major, each rank zero past its live
+    # rows; under an all-to-all MoE backend (DeepEP, MegaMoE) this rank's rows only.
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    if get_moe_a2a_backend().is_none():
+        expected_ids = torch.cat([padded_rows(ids[r::size], local_rows) for r in range(size)])
+    else:
+        expected_ids = padded_rows(ids[rank::size], local_rows)
     assert torch.equal(batch.input_ids_global, expected_ids)
     # MoE local token count: this rank's live rows, in the fixed tensor the strategy returns.
     assert int(inp.moe_local_token_count) == len(mine)
@@ -208,6 +214,20 @@ def test_bcg_adapter_keeps_addresses_and_fills_live_rows(bcg_enabled, size):
                 facts = adapter_steps(size, rank, embed)
             assert [f["count"] for f in facts] == [
                 len(range(rank, f["n"], size)) for f in facts]
+
+
+@pytest.mark.timeout(120)
+def test_bcg_adapter_with_an_all_to_all_moe_backend_routes_local_ids(bcg_enabled):
+    """EP == TP with DeepEP or MegaMoE: the fixed id buffer carries this rank's shard."""
+    from sglang.srt.layers.moe.utils import MoeA2ABackend
+    from sglang.srt.runtime_context import get_flags
+
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, HIDDEN)
+    with installed("CPBCG-INPUT"), get_flags().moe.override(a2a_backend=MoeA2ABackend.DEEPEP):
+        for rank in range(4):
+            with cp_scope(4, rank, PeerShardsGroup(4, rank)):
+                adapter_steps(4, rank, embed)
 
 
 @pytest.mark.timeout(60)
