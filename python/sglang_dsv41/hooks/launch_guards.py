@@ -10,10 +10,9 @@ speculative decoding), and nothing after it changes those values.
 from __future__ import annotations
 
 import logging
-import os
 
+from sglang_dsv41.core.cp_bcg_rules import cp_bcg_enabled
 from sglang_dsv41.core.known_crashes import (
-    CP_BCG_OPT_IN_ENV,
     CrashFeatures,
     GuardAction,
     GuardVerdict,
@@ -56,7 +55,7 @@ def crash_features(server_args) -> CrashFeatures | None:
         prefill_graph_backend=str(getattr(prefill_backend, "value", prefill_backend)),
         prefill_graph_requested=(Phase.PREFILL, "backend") in locked,
         cp_graph_supported=bool(prefill_cp and supports_prefill_cp_bcg(server_args)),
-        cp_graph_opt_in=os.environ.get(CP_BCG_OPT_IN_ENV, "") == "1",
+        cp_graph_opt_in=cp_bcg_enabled(),
     )
 
 

@@ -1,0 +1,116 @@
+"""deploy/b300-build/verify-cp-bcg.sh: input checks, and its comparison against two
+real HTTP servers on 127.0.0.1 that stand in for the eager and the opt-in sglang
+servers (the launch itself needs GPUs and runs only on the B300 node)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "deploy" / "b300-build" / "verify-cp-bcg.sh"
+
+
+def run_script(*args, env=None, timeout=120):
+    full_env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": "/tmp",
+                "PROMPT_WORDS": "5 9", "REPEATS": "1", **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bcg_verify_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_bcg_verify_script_shellcheck():
+    proc = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ((), {}, "expected MODEL_PATH [TP]"),
+        (("/nonexistent/model",), {}, "is not a directory"),
+        (("/tmp", "1"), {}, "TP must be an integer >= 2, got '1'"),
+        (("/tmp", "four"), {}, "TP must be an integer >= 2, got 'four'"),
+        (("/tmp", "2", "3"), {}, "expected MODEL_PATH [TP]"),
+        (("--urls", "http://127.0.0.1:1"), {}, "--urls takes exactly two URLs"),
+        (("--urls", "localhost:1", "http://x"), {}, "not URLs"),
+        (("--urls", "http://a", "http://b"), {"PORT": "abc"}, "PORT must be a positive integer"),
+        (("--urls", "http://a", "http://b"), {"PROMPT_WORDS": "10 x"}, "PROMPT_WORDS must be"),
+    ],
+)
+def test_bcg_verify_script_bad_input_is_one_line_and_exit_2(args, env, message):
+    proc = run_script(*args, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr.splitlines()[0]
+    assert proc.stderr.splitlines()[1].startswith("usage: ")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def _stand_in_server(differ_on: str | None):
+    """/generate: greedy ids derived from the prompt; streamed replies in SSE lines."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = [len(body["text"]) % 97, body["text"].count(" ")]
+            if differ_on is not None and differ_on in body["text"].split("\n")[1].split()[0:1]:
+                ids = ids + [1]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            if body.get("stream"):
+                self.wfile.write(b"data: " + json.dumps({"text": "x"}).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+            else:
+                self.wfile.write(json.dumps({"text": "t", "output_ids": ids}).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("differ", [False, True])
+def test_bcg_verify_script_compares_tokens_and_prints_the_ttft_ratio(tmp_path, differ):
+    eager, eager_url = _stand_in_server(None)
+    # the 9-word prompt's first word; the opt-in stand-in answers it differently
+    bcg, bcg_url = _stand_in_server("quartz" if differ else None)
+    result = tmp_path / "result.json"
+    try:
+        proc = run_script("--urls", eager_url, bcg_url + "/", env={"RESULT_FILE": str(result)})
+    finally:
+        eager.shutdown()
+        bcg.shutdown()
+    assert "ratio (opt-in / eager)" in proc.stdout, proc.stderr
+    saved = json.loads(result.read_text())
+    assert [p["words"] for p in saved["prompts"]] == [5, 9]
+    assert saved["ttft_ratio"] > 0
+    if differ:
+        assert proc.returncode == 1 and "DIFFER" in proc.stdout and "FAIL" in proc.stdout
+        assert saved["tokens_equal"] is False
+    else:
+        assert proc.returncode == 0 and "PASS" in proc.stdout and "DIFFER" not in proc.stdout
+        assert saved["tokens_equal"] is True
+
+
+@pytest.mark.timeout(60)
+def test_bcg_verify_script_unreachable_server_is_one_line_and_exit_1(tmp_path):
+    proc = run_script("--urls", "http://127.0.0.1:9", "http://127.0.0.1:9",
+                      env={"RESULT_FILE": str(tmp_path / "r.json")})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("verify-cp-bcg: FAIL http://127.0.0.1:9/generate")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
