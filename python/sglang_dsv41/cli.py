@@ -183,9 +183,9 @@ def patches_doc_cmd(args) -> int:
 
 
 def plan_cmd(args) -> int:
-    from sglang_dsv41.deploy_plan import main as plan_main
+    from sglang_dsv41.deploy_plan import run as plan_run
 
-    return plan_main(args.compose_files)
+    return plan_run(args)
 
 
 def main(argv=None) -> int:
@@ -199,7 +199,9 @@ def main(argv=None) -> int:
     d = sub.add_parser("patches-doc", help="render docs/PATCHES.md from the patch table")
     d.add_argument("--write", metavar="PATH")
     pl = sub.add_parser("plan", help="check docker compose topologies offline")
-    pl.add_argument("compose_files", nargs="+")
+    from sglang_dsv41.deploy_plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
                "patches-doc": patches_doc_cmd, "plan": plan_cmd}[args.cmd]
