@@ -162,19 +162,24 @@ def main(compose_files: list[str], *, profiles: list[str] | None = None, compose
         except ValueError as exc:
             problems.append(Problem(service.label, f"cannot read the mooncake_master flags: {exc}"))
 
-    with _tiny_checkpoint() as checkpoint:
-        inactive = _load_plugins()
-        if inactive:
-            print(f"plan: {inactive}")
-            return 2
-        for service, args in servers:
-            try:
-                layout = resolve_layout(service, args, checkpoint)
-            except ResolutionFailed as exc:
-                problems.append(Problem(service.label, str(exc)))
-                plan.unresolved.append(service)
-                continue
-            plan.servers.append(PlannedServer(service, layout))
+    try:
+        with _tiny_checkpoint() as checkpoint:
+            inactive = _load_plugins()
+            if inactive:
+                print(f"plan: {inactive}")
+                return 2
+            for service, args in servers:
+                try:
+                    layout = resolve_layout(service, args, checkpoint)
+                except ResolutionFailed as exc:
+                    problems.append(Problem(service.label, str(exc)))
+                    plan.unresolved.append(service)
+                    continue
+                plan.servers.append(PlannedServer(service, layout))
+    except Exception as exc:  # sglang itself failed to load: one line, not a traceback
+        print(f"plan: cannot run sglang's resolution here ({type(exc).__name__}: "
+              + " ".join(str(exc).split())[:300] + ")")
+        return 2
 
     problems += check_plan(plan, services, options)
     _print_layouts(plan)
@@ -227,10 +232,11 @@ def _load_plugins() -> str | None:
     (None when they are)."""
     global _plugins_loaded
     if not _plugins_loaded:
-        from sglang.srt.plugins import load_plugins
-
+        # Importing sglang already resolves the platform from SGLANG_PLATFORM.
         saved = {k: os.environ.pop(k) for k in _PLUGIN_FILTERS if k in os.environ}
         try:
+            from sglang.srt.plugins import load_plugins
+
             load_plugins()
         finally:
             os.environ.update(saved)

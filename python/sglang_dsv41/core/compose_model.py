@@ -1001,6 +1001,10 @@ def _port_range(text: str, where: str) -> list[int]:
     return list(range(first, last + 1))
 
 
+def _gpu_text(pick: str) -> str:
+    return pick if re.fullmatch(r"[\w.-]{1,40}", pick) else _show(pick)
+
+
 def _ids(values: Any, where: str, what: str) -> list[str]:
     return [i.strip() for d in _list(values, where, what)
             for i in (_scalar_text(d, where, f"an item of {what}") or "").split(",") if i.strip()]
@@ -1045,7 +1049,7 @@ def _gpus(body: dict, environment: dict[str, str], where: str) -> GpuReservation
             how = kind
             continue
         raw_count = device.get("count", "all")
-        if raw_count == "all":
+        if raw_count in ("all", -1):  # docker compose config writes "all" as -1
             how = how or "count: all"
             continue
         if isinstance(raw_count, bool) or not isinstance(raw_count, int) or raw_count < 0:
@@ -1077,7 +1081,7 @@ def _gpus(body: dict, environment: dict[str, str], where: str) -> GpuReservation
                 chosen.append(pick)
             else:
                 raise ComposeError(
-                    f"{where}: CUDA_VISIBLE_DEVICES={cuda_visible} names GPU {_show(pick)}, which the "
+                    f"{where}: CUDA_VISIBLE_DEVICES={cuda_visible} names GPU {_gpu_text(pick)}, which the "
                     f"container does not have ({how}: {','.join(ids)})"
                 )
         return GpuReservation(True, tuple(chosen), f"{how} + CUDA_VISIBLE_DEVICES", tuple(named))
