@@ -9,6 +9,11 @@ the handshake's pairing rule, Mooncake masters, healthchecks, and the flag
 combinations known to crash on the GPU. Exit status 0 means nothing was found;
 1 lists each problem with the service and the reason; 2 means a file could not
 be read.
+
+It fails closed: input it cannot read is one line and status 2, decided before
+sglang is imported; a service it cannot recognise (or a shell script it cannot
+follow) is a problem unless labelled as unrelated; the plugin's validators run
+whatever SGLANG_PLUGINS/SGLANG_PLATFORM the calling shell sets.
 """
 
 from __future__ import annotations

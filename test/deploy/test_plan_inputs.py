@@ -153,8 +153,15 @@ CASES: dict[str, Case] = {
           server:
             image: img
             entrypoint: ["/bin/bash", "-lc"]
-            command: "pip install sglang==0.5.22 && sglang serve --model-path /model"
+            command: ["pip install sglang==0.5.22 && sglang serve --model-path /model"]
         """)}, ["c.yml"], 1, "it runs 'pip' before the program"),
+    "sh -c entrypoint with a string command": Case({"c.yml": _yaml("""\
+        services:
+          server:
+            image: img
+            entrypoint: ["sh", "-c"]
+            command: "sglang serve --model-path /model --tp 2"
+        """)}, ["c.yml"], 1, "the words after it are the script's positional parameters, not a command"),
     "container filters the plugin out": Case({"c.yml": _yaml("""\
         services:
           server:

@@ -335,6 +335,7 @@ def unwrap(argv: list[str], environment: dict[str, str], is_program) -> Unwrappe
     commands = split_script(script, environment)
     env = dict(environment)
     chosen: SimpleCommand | None = None
+    unsafe: str | None = None  # the first command before the program that is not known to be harmless
     for command in commands:
         words, command_env = strip_prefixes(command.words, {**env, **command.assignments})
         if words and words[0].rsplit("/", 1)[-1] in SHELLS and shell_script(words):
@@ -355,10 +356,18 @@ def unwrap(argv: list[str], environment: dict[str, str], is_program) -> Unwrappe
             continue
         if chosen is None:
             _note_setting(command, env)
-            if words and words[0] not in HARMLESS and words[0] not in ("export", "unset"):
-                raise ShellRefused(f"it runs {words[0]!r} before the program; plan cannot tell what that "
-                                   "changes (move it into the image or an entrypoint of its own)")
+            if words and words[0] not in HARMLESS and words[0] not in ("export", "unset") and unsafe is None:
+                unsafe = words[0]
+    if chosen is not None and unsafe is not None:
+        raise ShellRefused(f"it runs {unsafe!r} before the program; plan cannot tell what that "
+                           "changes (move it into the image or an entrypoint of its own)")
     if chosen is None:
+        # The script word itself and what follows it in argv: compose split a string
+        # command into words, so `sh -c` got only the first one as its script.
+        if is_program(argv[argv.index(script):]):
+            raise ShellRefused(f"{shell} -c runs only its script ({script[:40]!r}); the words after it are the "
+                               "script's positional parameters, not a command (with an entrypoint of "
+                               "[sh, -c], give command as a list of one string)")
         return Unwrapped(argv, environment, "")
     return result
 
