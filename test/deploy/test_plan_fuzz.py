@@ -9,6 +9,7 @@ Pure code: the reader is called directly and sglang is never imported here.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,9 @@ from sglang_dsv41.core.topology_checks import (
     sglang_serve_args,
 )
 
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+# PLAN_FUZZ_EXAMPLES=5000 for a deeper run than CI's.
+EXAMPLES = int(os.environ.get("PLAN_FUZZ_EXAMPLES", "250"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 SERVICE_KEYS = ["image", "command", "entrypoint", "environment", "env_file", "ports", "volumes", "deploy",
                 "gpus", "labels", "depends_on", "healthcheck", "network_mode", "container_name", "extends",
@@ -93,6 +96,18 @@ def test_any_compose_structure_reads_or_raises_compose_error(document):
     text = yaml.safe_dump(document, allow_unicode=True)
     _read(text, _compose)
     _read(text, _compose_all_profiles)
+    _read(text, _config)
+
+
+field_values = scalars | st.lists(scalars, max_size=3) | st.dictionaries(keys, scalars, max_size=3) | values
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(SERVICE_KEYS[:19]), field_values, st.sampled_from(SERVICE_KEYS[:19]), field_values)
+def test_any_value_of_any_service_field(field, value, other_field, other_value):
+    body = {"image": "x", other_field: other_value, field: value}
+    text = yaml.safe_dump({"name": "p", "services": {"a": body, "b": {"image": "y"}}}, allow_unicode=True)
+    _read(text, _compose)
     _read(text, _config)
 
 
