@@ -247,10 +247,10 @@ def _load_plugins() -> str | None:
             os.environ.update(saved)
         _plugins_loaded = True
     from sglang_dsv41.activation import role_status
-    from sglang_dsv41.patch_spec import HookKind, Role
+    from sglang_dsv41.patch_spec import Role
 
+    # The launcher's patches carry the argument validators plan relies on.
     _applied, missing = role_status(Role.LAUNCHER)
-    missing = [p for p in missing if p.kind is HookKind.RESOLUTION]
     if missing:
         return ("the plugin's validators are not active in this process ("
                 + ", ".join(p.id for p in missing) + "); plan cannot check servers without them")
