@@ -64,7 +64,8 @@ def _pre_resolution(project) -> None:
     check_projects([project], classified.services, PlanOptions())
 
 
-def _read(text: str | bytes, reader) -> None:
+def _read(text: str | bytes, reader) -> str | None:
+    """The reader's one-line error for this input, or None when it read it."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "compose.yml"
         (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
@@ -74,8 +75,9 @@ def _read(text: str | bytes, reader) -> None:
         except ComposeError as exc:
             message = str(exc)
             assert message and "\n" not in message and len(message) <= 500
-            return
+            return message
         _pre_resolution(project)
+        return None
 
 
 def _compose(path: Path):
@@ -154,6 +156,40 @@ def test_alias_bomb_is_refused_quickly():
         path.write_text("\n".join(merge) + "\nservices: {}\n")
         with pytest.raises(ComposeError, match="an alias bomb"):
             load_project(path, environ={})
+
+
+def _big_inputs() -> dict[str, str]:
+    many = 90_000
+    return {
+        # extends merges two long lists (compose appends the new items).
+        "long lists merged by extends": "services:\n  base: {image: x, dns: [" + ",".join(f"a{n}" for n in range(50_000))
+        + "]}\n  top: {extends: base, dns: [" + ",".join(f"b{n}" for n in range(50_000)) + "]}\n",
+        # Port ranges: each one is 60000 ports.
+        "many port ranges": "services:\n" + "".join(
+            f"  s{n}: {{image: x, ports: ['1000-61000:1000-61000']}}\n" for n in range(40)),
+        # A command of a hundred thousand assignments in front of the program.
+        "long env prefix": "services:\n  a: {image: x, command: [env, " + ",".join(f"'A{n}=1'" for n in range(many))
+        + ", sglang, serve]}\n",
+        "long shell script": "services:\n  a:\n    image: x\n    command: [sh, -c, '" + "echo a; " * 7_000
+        + "sglang serve --tp 2']\n",
+        "many services": "services:\n" + "".join(f"  s{n}: {{image: x, depends_on: [s{max(n - 1, 0)}]}}\n"
+                                                 for n in range(1, 20_000)) + "  s0: {image: x}\n",
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(_big_inputs()))
+def test_large_inputs_stay_bounded(name):
+    """Inputs near the size limits are read (or refused) in seconds, not hours."""
+    import time
+
+    started = time.monotonic()
+    error = _read(_big_inputs()[name], _compose)
+    assert time.monotonic() - started < 60
+    if name == "many port ranges":  # 2.4 million published ports: refused, not built
+        assert error and "the files publish more than 262144 ports in all" in error
+    else:
+        assert error is None, error
 
 
 def test_reader_and_pre_resolution_checks_do_not_import_sglang():

@@ -47,6 +47,7 @@ MAX_TOTAL_CHARS = 1 << 24  # all interpolated values of one load
 MAX_EXTENDS_DEPTH = 32
 MAX_INCLUDE_DEPTH = 32
 MAX_PORTS_PER_SERVICE = 65_536
+MAX_PUBLISHED_PORTS = 262_144  # all services of one load
 
 # yaml's C loader is much faster; the pure-Python one is the fallback.
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -282,6 +283,7 @@ class _Budget:
 
     def __init__(self):
         self.used = 0
+        self.ports = 0  # published ports of the whole load (a range is many)
 
     def spend(self, text: str, where: str) -> str:
         if len(text) > MAX_TEXT_CHARS:
@@ -554,8 +556,18 @@ def _merge(base: Any, local: Any, key: str | None, where: str) -> Any:
                 merged[k] = _merge(base.get(k), v, k, where) if k in base else v
         return merged
     if isinstance(base, list) and isinstance(local, list):
-        return base + [v for v in local if v not in base]
+        seen = {_identity(v) for v in base}
+        return base + [v for v in local if _identity(v) not in seen]
     return local
+
+
+def _identity(value: Any) -> str:
+    """A hashable stand-in for a YAML value, so list merges stay linear."""
+    if isinstance(value, dict):
+        return "{" + ",".join(sorted(f"{_identity(k)}:{_identity(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_identity(v) for v in value) + "]"
+    return repr(value)
 
 
 def _absolute_binds(service: dict, base_dir: Path, where: str) -> dict:
@@ -604,6 +616,7 @@ class _Document:
     tree: dict
     # Which file each service comes from (itself, or an included file).
     origin: dict[str, "_Document"] = field(default_factory=dict)
+    shown: str = ""  # the path as messages print it
 
 
 class _Loader:
@@ -637,7 +650,7 @@ class _Loader:
                 raise ComposeError(f"{where}: a service must be a mapping, not {_kind(body)}")
             body = {_key_text(k, where): v for k, v in body.items()}
             services[name] = _absolute_binds(body, path.parent, where)
-        doc = _Document(path, services, tree)
+        doc = _Document(path, services, tree, shown=shown)
         doc.origin = {name: doc for name in services}
         self.cache[path] = doc
         for included in self._includes(tree.get("include"), path, shown):
@@ -662,13 +675,13 @@ class _Loader:
 
     def resolved(self, doc: _Document, name: str, chain: tuple = ()) -> dict:
         key = (doc.path, name)
-        where = f"{_display(doc.path)}: service {name}"
+        where = f"{doc.shown}: service {name}"
         if key in chain:
             raise ComposeError(f"{where}: extends cycle through service {name}")
         if len(chain) > MAX_EXTENDS_DEPTH:
             raise ComposeError(f"{where}: extends chain longer than {MAX_EXTENDS_DEPTH}")
         if name not in doc.services:
-            raise ComposeError(f"{_display(doc.path)}: no service named {_show(name)}")
+            raise ComposeError(f"{doc.shown}: no service named {_show(name)}")
         body = dict(doc.services[name])
         ext = body.pop("extends", None)
         if ext is None:
@@ -757,7 +770,8 @@ def _load_project(path: Path, environ: Mapping[str, str], profiles: list[str] | 
     lookup, env_path = project_lookup(path, environ, budget)
     loader = _Loader(lookup, budget)
     doc = loader.document(path)
-    shown = _display(doc.path)
+    shown = doc.shown
+    resolved_path = path.resolve()
     active = _active_profiles(profiles, lookup)
     project = Project(_project_name(doc.tree, path, lookup, shown), path.resolve(), [], {}, env_path)
     env_cache: dict[Path, dict[str, str]] = {}
@@ -768,7 +782,7 @@ def _load_project(path: Path, environ: Mapping[str, str], profiles: list[str] | 
         if wanted and not (active & set(wanted)) and "*" not in active:
             project.inactive[name] = wanted
             continue
-        project.services.append(_service(name, path.resolve(), body, lookup, where, project.name, env_cache, budget))
+        project.services.append(_service(name, resolved_path, body, lookup, where, project.name, env_cache, budget))
     return project
 
 
@@ -871,7 +885,7 @@ def _service(name: str, compose_file: Path, body: dict, lookup, where: str, proj
         argv=_command(body.get("entrypoint"), where, "entrypoint") + _command(body.get("command"), where, "command"),
         environment=environment,
         network_mode=_string(body.get("network_mode"), where, "network_mode"),
-        published_ports=_ports(body.get("ports"), where),
+        published_ports=_ports(body.get("ports"), where, budget),
         binds=_binds(body.get("volumes"), where),
         depends_on=deps,
         healthcheck=healthcheck,
@@ -960,7 +974,8 @@ def _binds(volumes: Any, where: str) -> list[BindMount]:
     return binds
 
 
-def _ports(entries: Any, where: str) -> list[PublishedPort]:
+def _ports(entries: Any, where: str, budget: _Budget | None = None) -> list[PublishedPort]:
+    budget = budget or _Budget()
     ports: list[PublishedPort] = []
     for entry in _list(entries, where, "ports"):
         if isinstance(entry, dict):
@@ -984,10 +999,13 @@ def _ports(entries: Any, where: str) -> list[PublishedPort]:
             raise ComposeError(f"{where}: port mapping {_show(entry)} maps a range onto one port")
         if len(host) > 1 and len(target) not in (1, len(host)):
             raise ComposeError(f"{where}: port mapping {_show(entry)} maps ranges of different lengths")
+        budget.ports += len(host)
+        if len(ports) + len(host) > MAX_PORTS_PER_SERVICE:
+            raise ComposeError(f"{where}: publishes more than {MAX_PORTS_PER_SERVICE} ports")
+        if budget.ports > MAX_PUBLISHED_PORTS:
+            raise ComposeError(f"{where}: the files publish more than {MAX_PUBLISHED_PORTS} ports in all")
         for n, host_port in enumerate(host):
             ports.append(PublishedPort(host_port, target[min(n, len(target) - 1)], protocol))
-        if len(ports) > MAX_PORTS_PER_SERVICE:
-            raise ComposeError(f"{where}: publishes more than {MAX_PORTS_PER_SERVICE} ports")
     return ports
 
 

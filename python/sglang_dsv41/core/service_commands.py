@@ -223,9 +223,11 @@ def _simple(words: list[str], split_candidates: set[int], op: str, before: str,
         else:
             expanded.append(word)
     assignments: dict[str, str] = {}
-    while expanded and (match := _ASSIGNMENT.match(expanded[0])):
+    first = 0
+    while first < len(expanded) and (match := _ASSIGNMENT.match(expanded[first])):
         assignments[match.group(1)] = match.group(2)
-        expanded.pop(0)
+        first += 1
+    expanded = expanded[first:]
     if expanded and expanded[0] in _UNSUPPORTED_WORDS:
         raise ShellRefused(f"the shell keyword or builtin {expanded[0]!r}")
     command = SimpleCommand(expanded, op, before, assignments)
@@ -252,40 +254,39 @@ def _simple(words: list[str], split_candidates: set[int], op: str, before: str,
 def strip_prefixes(argv: list[str], environment: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """``exec``, ``env [-u X] [-i] A=B ...`` and leading ``A=B`` words in front of a command."""
     env = dict(environment)
-    argv = list(argv)
-    while argv:
-        head = argv[0].rsplit("/", 1)[-1]
+    i, n = 0, len(argv)
+    while i < n:
+        head = argv[i].rsplit("/", 1)[-1]
         if head == "exec":
-            argv.pop(0)
-            while argv and argv[0].startswith("-"):
-                if argv[0] == "-a" and len(argv) > 1:
-                    argv.pop(0)
-                argv.pop(0)
+            i += 1
+            while i < n and argv[i].startswith("-"):
+                i += 2 if (argv[i] == "-a" and i + 1 < n) else 1
         elif head == "env":
-            argv.pop(0)
-            while argv:
-                if argv[0] in ("-i", "--ignore-environment", "-"):
+            i += 1
+            while i < n:
+                word = argv[i]
+                if word in ("-i", "--ignore-environment", "-"):
                     env = {}
-                    argv.pop(0)
-                elif argv[0] in ("-u", "--unset") and len(argv) > 1:
-                    env.pop(argv[1], None)
-                    del argv[:2]
-                elif argv[0].startswith("--unset="):
-                    env.pop(argv[0].split("=", 1)[1], None)
-                    argv.pop(0)
-                elif argv[0].startswith("-"):
-                    raise ShellRefused(f"the env option {argv[0]}")
-                elif match := _ASSIGNMENT.match(argv[0]):
+                    i += 1
+                elif word in ("-u", "--unset") and i + 1 < n:
+                    env.pop(argv[i + 1], None)
+                    i += 2
+                elif word.startswith("--unset="):
+                    env.pop(word.split("=", 1)[1], None)
+                    i += 1
+                elif word.startswith("-"):
+                    raise ShellRefused(f"the env option {word[:40]}")
+                elif match := _ASSIGNMENT.match(word):
                     env[match.group(1)] = match.group(2)
-                    argv.pop(0)
+                    i += 1
                 else:
                     break
-        elif match := _ASSIGNMENT.match(argv[0]):
+        elif match := _ASSIGNMENT.match(argv[i]):
             env[match.group(1)] = match.group(2)
-            argv.pop(0)
+            i += 1
         else:
             break
-    return argv, env
+    return list(argv[i:]), env
 
 
 def shell_script(argv: list[str]) -> tuple[str, str] | None:
