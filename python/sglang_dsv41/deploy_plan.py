@@ -113,6 +113,11 @@ def read_projects(compose_files: list[str], profiles: list[str] | None = None,
         projects.append(_guarded(path, lambda: load_project(path, profiles=profiles)))
     for source in compose_configs:
         projects.append(_guarded(source, lambda: load_compose_config(source)))
+    seen: dict[Path, Project] = {}
+    for project in projects:
+        if project.compose_file in seen and not str(project.compose_file).endswith("compose-config.stdin"):
+            raise ComposeError(f"{project.compose_file.name}: given twice; each file is one project")
+        seen[project.compose_file] = project
     return projects
 
 

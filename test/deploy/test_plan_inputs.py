@@ -131,6 +131,8 @@ CASES: dict[str, Case] = {
                              "service a: env_file nope.env does not exist"),
     "bad project name": Case({"c.yml": "name: Not Valid\nservices: {}\n"}, ["c.yml"], 2,
                              "project name 'Not Valid' must be lowercase"),
+    "the same file twice": Case({"c.yml": "services:\n" + SERVER}, ["c.yml", "./c.yml"], 2,
+                                "c.yml: given twice; each file is one project"),
     "no input at all": Case({}, [], 2, "plan: give compose files, or --from-compose-config"),
     "compose config that is a source file": Case({"c.yml": "name: p\nservices:\n  a: {image: \"${IMG}\"}\n"},
                                                  ["--from-compose-config", "c.yml"], 2,
