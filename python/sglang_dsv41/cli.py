@@ -206,9 +206,9 @@ def patches_doc_cmd(args) -> int:
 
 
 def plan_cmd(args) -> int:
-    from sglang_dsv41.deploy_plan import main as plan_main
+    from sglang_dsv41.deploy_plan import run as plan_run
 
-    return plan_main(args.compose_files)
+    return plan_run(args)
 
 
 def upgrade_check_cmd(args) -> int:
@@ -228,7 +228,9 @@ def main(argv=None) -> int:
     d = sub.add_parser("patches-doc", help="render docs/PATCHES.md from the patch table")
     d.add_argument("--write", metavar="PATH")
     pl = sub.add_parser("plan", help="check docker compose topologies offline")
-    pl.add_argument("compose_files", nargs="+")
+    from sglang_dsv41.deploy_plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
     u = sub.add_parser(
         "upgrade-check",
         help="compare a candidate sglang release with the pinned one under every patch",

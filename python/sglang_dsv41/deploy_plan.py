@@ -9,6 +9,11 @@ the handshake's pairing rule, Mooncake masters, healthchecks, and the flag
 combinations known to crash on the GPU. Exit status 0 means nothing was found;
 1 lists each problem with the service and the reason; 2 means a file could not
 be read.
+
+It fails closed: input it cannot read is one line and status 2, decided before
+sglang is imported; a service it cannot recognise (or a shell script it cannot
+follow) is a problem unless labelled as unrelated; the plugin's validators run
+whatever SGLANG_PLUGINS/SGLANG_PLATFORM the calling shell sets.
 """
 
 from __future__ import annotations
@@ -22,18 +27,18 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from sglang_dsv41.core.compose_model import ComposeError, Service, load_services
+from sglang_dsv41.core.compose_model import ComposeError, Project, Service, load_compose_config, load_project
 from sglang_dsv41.core.topology_checks import (
     Plan,
     PlannedServer,
+    PlanOptions,
     Problem,
     ServerLayout,
     check_plan,
-    mooncake_master_args,
+    check_projects,
+    classify_services,
     parse_master,
     parse_router,
-    router_args,
-    sglang_serve_args,
     used_gpus,
 )
 
@@ -47,56 +52,156 @@ class ResolutionFailed(Exception):
     """sglang (or this plugin) refused a service's arguments."""
 
 
-def main(compose_files: list[str]) -> int:
-    services: list[Service] = []
+def add_arguments(parser) -> None:
+    """The ``plan`` subcommand's options (cli.py adds them to its parser)."""
+    parser.add_argument("compose_files", nargs="*", metavar="COMPOSE_FILE",
+                        help="compose files started together (each its own project)")
+    parser.add_argument("--from-compose-config", action="append", default=[], metavar="FILE",
+                        help="read the output of `docker compose config` (a file, or - for stdin) instead of "
+                             "parsing a compose file; may be given several times")
+    parser.add_argument("--profile", action="append", default=None, metavar="PROFILE",
+                        help="activate a compose profile (as docker compose --profile); default: "
+                             "COMPOSE_PROFILES, else only services without profiles")
+    parser.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="N",
+                        help="GPUs of one node (default 8); GPU ids from N up are errors")
+    parser.add_argument("--host-memory-gb", type=_positive_float, default=None, metavar="GB",
+                        help="host memory of one node: check Mooncake segments and hierarchical-cache host "
+                             "pools against it")
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+    return value
+
+
+def run(args) -> int:
+    """Entry point for ``sglang-dsv41 plan`` with parsed arguments."""
+    if not args.compose_files and not args.from_compose_config:
+        print("plan: give compose files, or --from-compose-config FILE (- for stdin)")
+        return 2
+    return main(args.compose_files, profiles=args.profile, compose_configs=args.from_compose_config,
+                options=PlanOptions(gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb))
+
+
+def read_projects(compose_files: list[str], profiles: list[str] | None = None,
+                  compose_configs: list[str] = ()) -> list[Project]:
+    """Every input read and checked for shape; raises ComposeError (one line)."""
+    projects: list[Project] = []
     for path in compose_files:
-        try:
-            found, env_file = load_services(path)
-        except (ComposeError, OSError) as exc:
-            print(f"plan: cannot read {path}: {exc}")
-            return 2
+        projects.append(_guarded(path, lambda: load_project(path, profiles=profiles)))
+    for source in compose_configs:
+        projects.append(_guarded(source, lambda: load_compose_config(source)))
+    seen: dict[Path, Project] = {}
+    for project in projects:
+        if project.compose_file in seen and not str(project.compose_file).endswith("compose-config.stdin"):
+            raise ComposeError(f"{project.compose_file.name}: given twice; each file is one project")
+        seen[project.compose_file] = project
+    return projects
+
+
+def _guarded(source: str, read):
+    try:
+        return read()
+    except ComposeError:
+        raise
+    except Exception as exc:  # a reader bug must still end in one line, never a traceback
+        raise ComposeError(f"{source}: cannot read it ({type(exc).__name__}: {exc})") from None
+
+
+def main(compose_files: list[str], *, profiles: list[str] | None = None, compose_configs: list[str] = (),
+         options: PlanOptions | None = None) -> int:
+    options = options or PlanOptions()
+    try:
+        projects = read_projects(compose_files, profiles, compose_configs)
+    except ComposeError as exc:
+        print(f"plan: cannot read {exc}")
+        return 2
+    for project in projects:
+        env_file = project.env_file
         if env_file is not None and env_file.name != ".env":
-            print(f"plan: {Path(path).name}: no .env beside it; variables come from {env_file.name}")
-        services += found
+            print(f"plan: {project.compose_file.name}: no .env beside it; variables come from {env_file.name}")
+        if project.inactive:
+            print(f"plan: {project.compose_file.name}: skipping services of inactive profiles: "
+                  + ", ".join(f"{name} ({', '.join(p)})" for name, p in project.inactive.items()))
+    services = [s for project in projects for s in project.services]
+    inputs = ", ".join(list(compose_files) + list(compose_configs))
+
+    # Everything that needs no sglang comes first, so bad input fails fast.
+    classified = classify_services(services)
+    services = classified.services
+    problems: list[Problem] = list(classified.problems)
+    problems += check_projects(projects, services, options)
+    if not classified.servers and not problems:
+        print("plan: no `sglang serve` service found in " + inputs)
+        return 1
+    if problems:
+        return _report(problems, "before resolving any server; fix these first")
 
     plan = Plan()
-    problems: list[Problem] = []
-    servers: list[tuple[Service, list[str]]] = []
-    for service in services:
-        if (args := sglang_serve_args(service.argv)) is not None:
-            servers.append((service, args))
-        elif (args := router_args(service.argv)) is not None:
-            try:
-                plan.routers.append(parse_router(service, args))
-            except ValueError as exc:
-                problems.append(Problem(service.label, str(exc)))
-        elif (args := mooncake_master_args(service.argv)) is not None:
+    servers = classified.servers
+    for service, args in classified.routers:
+        try:
+            plan.routers.append(parse_router(service, args))
+        except ValueError as exc:
+            problems.append(Problem(service.label, str(exc)))
+    for service, args in classified.masters:
+        try:
             plan.masters.append(parse_master(service, args))
-    if not servers:
-        print("plan: no `sglang serve` service found in " + ", ".join(compose_files))
-        return 1
+        except ValueError as exc:
+            problems.append(Problem(service.label, f"cannot read the mooncake_master flags: {exc}"))
 
-    with _tiny_checkpoint() as checkpoint:
-        _load_plugins()
-        for service, args in servers:
-            try:
-                layout = resolve_layout(service, args, checkpoint)
-            except ResolutionFailed as exc:
-                problems.append(Problem(service.label, str(exc)))
-                plan.unresolved.append(service)
-                continue
-            plan.servers.append(PlannedServer(service, layout))
+    try:
+        with _tiny_checkpoint() as checkpoint:
+            inactive = _load_plugins()
+            if inactive:
+                print(f"plan: {inactive}")
+                return 2
+            for service, args in servers:
+                try:
+                    layout = resolve_layout(service, args, checkpoint)
+                except ResolutionFailed as exc:
+                    problems.append(Problem(service.label, str(exc)))
+                    plan.unresolved.append(service)
+                    continue
+                plan.servers.append(PlannedServer(service, layout))
+    except Exception as exc:  # sglang itself failed to load: one line, not a traceback
+        print(f"plan: cannot run sglang's resolution here ({type(exc).__name__}: "
+              + " ".join(str(exc).split())[:300] + ")")
+        return 2
 
-    problems += check_plan(plan, services)
+    problems += check_plan(plan, services, options)
     _print_layouts(plan)
     if problems:
-        print(f"\nplan: {len(problems)} problem(s):")
-        for problem in problems:
-            print(f"  ERROR {problem}")
-        return 1
+        return _report(problems)
     print(f"\nplan: OK ({len(plan.servers)} sglang servers, {len(plan.routers)} routers, "
           f"{len(plan.masters)} Mooncake masters)")
     return 0
+
+
+def _report(problems: list[Problem], note: str = "") -> int:
+    print(f"\nplan: {len(problems)} problem(s){' ' + note if note else ''}:")
+    for problem in problems:
+        print(f"  ERROR {problem}")
+    return 1
 
 
 # --------------------------------------------------------------------------- resolution
@@ -123,17 +228,35 @@ def _tiny_checkpoint():
 
 
 _plugins_loaded = False
+# Variables of the calling shell that would filter our plugin out of sglang's
+# plugin loading; plan always checks with the plugin's validators active.
+_PLUGIN_FILTERS = ("SGLANG_PLUGINS", "SGLANG_PLATFORM")
 
 
-def _load_plugins() -> None:
-    """Run sglang's plugin loading once, so our resolution hooks take part."""
+def _load_plugins() -> str | None:
+    """Run sglang's plugin loading once, with no plugin filter from the calling
+    shell, so our resolution hooks take part; returns why they are not active
+    (None when they are)."""
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    from sglang.srt.plugins import load_plugins
+    if not _plugins_loaded:
+        # Importing sglang already resolves the platform from SGLANG_PLATFORM.
+        saved = {k: os.environ.pop(k) for k in _PLUGIN_FILTERS if k in os.environ}
+        try:
+            from sglang.srt.plugins import load_plugins
 
-    load_plugins()
-    _plugins_loaded = True
+            load_plugins()
+        finally:
+            os.environ.update(saved)
+        _plugins_loaded = True
+    from sglang_dsv41.activation import role_status
+    from sglang_dsv41.patch_spec import Role
+
+    # The launcher's patches carry the argument validators plan relies on.
+    _applied, missing = role_status(Role.LAUNCHER)
+    if missing:
+        return ("the plugin's validators are not active in this process ("
+                + ", ".join(p.id for p in missing) + "); plan cannot check servers without them")
+    return None
 
 
 @contextlib.contextmanager
@@ -226,12 +349,13 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
             raise ResolutionFailed(f"sglang refuses these arguments: {exc}") from None
         view = resolving_view(server_args)
         _record_guard_decision(service, server_args)
+        _record_prefill_graph(service, view)
         widths = parallel_widths_of(view)
         model_config = model_config_of(server_args)
         hf_config = model_config.hf_config
         all_cp_ranks_transfer = bool(envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get())
-        mooncake_master = _mooncake_master(service, view) if (
-            view.enable_hierarchical_cache and view.hicache_storage_backend == "mooncake") else None
+        mooncake_master, mooncake_segment = _mooncake_master(service, view) if (
+            view.enable_hierarchical_cache and view.hicache_storage_backend == "mooncake") else (None, 0)
 
     derived: tuple[int, ...] = ()
     if widths["attn_dp_size"] > 1 and view.nnodes == 1 and not view.dist_init_addr:
@@ -273,6 +397,9 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
         all_cp_ranks_transfer=all_cp_ranks_transfer,
         derived_ports=derived,
         mooncake_master=mooncake_master,
+        mooncake_segment_bytes=int(mooncake_segment or 0),
+        hicache_size_gb=float(getattr(view, "hicache_size", 0) or 0),
+        hicache_ratio=float(getattr(view, "hicache_ratio", 0) or 0),
     )
 
 
@@ -288,8 +415,19 @@ def _record_guard_decision(service: Service, server_args) -> None:
     _guard_decisions[service.label] = verdict.summary() if verdict else "not run (plugin not loaded)"
 
 
-def _mooncake_master(service: Service, view) -> str | None:
-    """The master address the Mooncake store would use, read the way sglang reads it."""
+# Service label -> the prefill CUDA graph backend sglang resolved for it
+# (`disabled` for every CP server unless the opt-in CP breakable graph applies).
+_prefill_graphs: dict[str, str] = {}
+
+
+def _record_prefill_graph(service: Service, view) -> None:
+    backend = view.cuda_graph_config.prefill.backend
+    _prefill_graphs[service.label] = str(getattr(backend, "value", backend))
+
+
+def _mooncake_master(service: Service, view) -> tuple[str | None, int]:
+    """The master address the Mooncake store would use and the segment size it
+    contributes (bytes, for the whole server), read the way sglang reads them."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStoreConfig
 
@@ -311,7 +449,7 @@ def _mooncake_master(service: Service, view) -> str | None:
         raise
     except Exception as exc:
         raise ResolutionFailed(f"the Mooncake store configuration is unusable: {exc}") from None
-    return config.master_server_address or None
+    return config.master_server_address or None, int(getattr(config, "global_segment_size", 0) or 0)
 
 
 # --------------------------------------------------------------------------- report
@@ -338,6 +476,7 @@ def _print_layouts(plan: Plan) -> None:
               f"attention DP {lay.attn_dp_size}, {cp}; {role}; DSpark {dspark}; "
               f"decoder SWA replay {'on' if lay.decoder_swa_bounded_replay else 'off'}; "
               f"hierarchical cache {hicache}; vision {'on' if lay.vision else 'off'}")
+        print(f"    prefill CUDA graph: {_prefill_graphs.get(svc.label, '?')}")
         print(f"    launch guard: {_guard_decisions.get(svc.label, 'not run')}")
     for router in plan.routers:
         targets = ([f"prefill {u}" + (f" (bootstrap {b})" if b else "") for u, b in router.prefill]
@@ -349,4 +488,8 @@ def _print_layouts(plan: Plan) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import argparse
+
+    _parser = argparse.ArgumentParser(prog="python -m sglang_dsv41.deploy_plan")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -271,3 +271,55 @@ def test_used_gpus_maps_indices_to_host_gpus():
     assert gpus is None and "needs 4 GPUs (TP 2 x PP 1 x DP replicas 2)" in why
     gpus, why = used_gpus(PlannedServer(_Svc(("0", "1", "2")), _layout(tp_size=2)))
     assert gpus is None and "the rest would sit idle" in why
+
+
+def test_env_file_values_refer_to_other_variables(tmp_path):
+    env = _write(tmp_path / ".env", """\
+        BASE=/data
+        MODELS=${BASE}/models
+        LITERAL='${BASE}/kept'
+        QUOTED="${MODELS}/x\\ty" # comment
+        FROM_SHELL=${HOME_DIR:-/root}
+        LATER=${NOT_YET-unset}
+        NOT_YET=1
+    """)
+    values = read_env_file(env, {"HOME_DIR": "/home/me", "BASE": "/shell"})
+    # The caller's environment wins over lines above, as compose's dotenv does.
+    assert values == {"BASE": "/data", "MODELS": "/shell/models", "LITERAL": "${BASE}/kept",
+                      "QUOTED": "/shell/models/x\ty", "FROM_SHELL": "/home/me", "LATER": "unset", "NOT_YET": "1"}
+    _write(tmp_path / "bad.env", "A=${MISSING:?set MISSING}\n")
+    with pytest.raises(ComposeError, match=r"bad.env:1: variable MISSING: set MISSING"):
+        read_env_file(tmp_path / "bad.env", {})
+
+
+def test_profiles_project_names_and_compose_config(tmp_path):
+    from sglang_dsv41.core.compose_model import load_compose_config, load_project
+
+    top = _write(tmp_path / "proj" / "t.yml", """\
+        services:
+          a: {image: x}
+          b: {image: x, profiles: [debug]}
+          c: {image: x, profiles: [debug, other]}
+    """)
+    project = load_project(top, environ={})
+    assert [s.name for s in project.services] == ["a"] and project.inactive == {"b": ("debug",), "c": ("debug", "other")}
+    assert project.name == "proj"  # no top-level name: the directory, as compose names it
+    assert [s.name for s in load_project(top, environ={}, profiles=["other"]).services] == ["a", "c"]
+    assert [s.name for s in load_project(top, environ={"COMPOSE_PROFILES": "debug"}).services] == ["a", "b", "c"]
+    assert load_project(top, environ={"COMPOSE_PROJECT_NAME": "from-env"}).name == "from-env"
+    config = _write(tmp_path / "config.yml", """\
+        name: normalized
+        services:
+          s:
+            command: [sglang, serve, --port, "30000"]
+            environment: {A: "1", PRICE: "5$$"}
+            ports: [{mode: ingress, target: 80, published: "8080", protocol: tcp}]
+            volumes: [{type: bind, source: /abs/conf, target: /etc/conf, read_only: true, bind: {create_host_path: true}}]
+            deploy: {resources: {reservations: {devices: [{driver: nvidia, count: -1, capabilities: [gpu]}]}}}
+            depends_on: {m: {condition: service_healthy, required: true}}
+    """)
+    (svc,) = load_compose_config(str(config)).services
+    assert svc.argv == ["sglang", "serve", "--port", "30000"] and svc.environment == {"A": "1", "PRICE": "5$"}
+    assert [(p.host_port, p.container_port) for p in svc.published_ports] == [(8080, 80)]
+    assert svc.host_path("/etc/conf") == Path("/abs/conf") and svc.depends_on == {"m": "service_healthy"}
+    assert svc.gpu_reservation.declared and svc.gpu_reservation.visible is None

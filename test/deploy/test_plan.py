@@ -91,6 +91,10 @@ ENV = {
     "IMAGE": "registry.invalid/sglang-dsv41:test",
     "MODEL_PATH": "/data/models/DeepSeek-V4.1-Flash",
     "SGLANG_CACHE_DIR": "/data/cache/sglang",
+    # The operator's shell filters the plugin out: plan must run its validators anyway
+    # (zigzag-vision.yml is refused only by them).
+    "SGLANG_PLUGINS": "__none__",
+    "SGLANG_PLATFORM": "some_other_platform",
 }
 
 
@@ -111,13 +115,31 @@ def results(tmp_path_factory) -> dict[str, dict]:
     cases["split-pd"] = [str(BAD / "split" / "prefill.yml"), str(BAD / "split" / "decode.yml")]
     # A compose file that does not parse the way compose reads it.
     cases["unreadable"] = [str(BAD / "does-not-exist.yml")]
+    # Holes where plan used to pass what it did not check (see the fail-closed tests below).
+    for name in ("shell-wrapped-overlap.yml", "nvlink-separate-pid.yml", "nvlink-expandable-segments.yml",
+                 "profile-overlap.yml"):
+        cases[f"hole:{name}"] = [str(BAD / name)]
+    cases["hole:profile-active"] = {"files": [str(BAD / "profile-overlap.yml")], "profiles": ["debug"]}
+    cases["hole:host-memory"] = {"files": [str(BAD / "host-memory.yml")], "host_memory_gb": 200}
+    cases["hole:host-memory-unchecked"] = [str(BAD / "host-memory.yml")]
+    cases["hole:host-memory-ratio"] = {"files": [str(deploy / "pd-1p1d.yml")], "host_memory_gb": 2000}
+    cases["hole:gpus-per-node"] = {"files": [str(deploy / "pd-1p1d.yml")], "gpus_per_node": 4}
+    # .env values that refer to other variables, as compose expands them.
+    chained = tmp_path_factory.mktemp("chained") / "b300-ds41"
+    shutil.copytree(DEPLOY, chained, ignore=shutil.ignore_patterns(".env"))
+    (chained / ".env").write_text("PORT_BASE=310\nTP_PORT=${PORT_BASE}00\nTP_GPUS=\"${FIRST_GPU:-4},5,6,7\"\n")
+    cases["hole:env-chain"] = [str(chained / "tp.yml")]
+    # The normalized output of `docker compose config`, read instead of the source file.
+    config = tmp_path_factory.mktemp("config") / "tp.config.yml"
+    config.write_text((HERE / "compose-config" / "tp.yml").read_text().replace("__DEPLOY__", str(deploy)))
+    cases["compose-config:tp"] = {"configs": [str(config)]}
     code = f"""
         import json, sys
         sys.path.insert(0, {str(HERE)!r})
         import plan_harness
         print("PLAN-RESULTS " + json.dumps(plan_harness.run({cases!r})))
     """
-    proc = run_python(textwrap.dedent(code), env=ENV, timeout=420)
+    proc = run_python(textwrap.dedent(code), env=ENV, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PLAN-RESULTS ")), None)
     assert line, f"harness failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return json.loads(line[len("PLAN-RESULTS "):])
@@ -173,3 +195,85 @@ def test_unreadable_file_is_reported_with_status_2(results):
     result = results["unreadable"]
     assert result["rc"] == 2
     assert "does-not-exist.yml" in result["output"] and "no such compose file" in result["output"]
+
+
+# --------------------------------------------------------------------------- fail closed
+# Each test below is a way `plan` used to say OK (or skip a service) without
+# having checked it; now it fails closed.
+
+
+def test_plugin_validators_run_whatever_the_calling_shell_filters(results):
+    # The harness runs with SGLANG_PLUGINS=__none__ and another SGLANG_PLATFORM set;
+    # only the plugin's own validator refuses zigzag CP with vision.
+    assert "SGLANG_PLUGINS" in ENV and "SGLANG_PLATFORM" in ENV
+    result = results["bad:zigzag-vision.yml"]
+    assert result["rc"] == 1 and "requires --cp-strategy interleave" in result["output"], result["output"]
+
+
+def test_shell_wrapped_server_is_followed_and_checked(results):
+    result = results["hole:shell-wrapped-overlap.yml"]
+    assert result["rc"] == 1, result["output"]
+    assert "shell-wrapped-overlap.yml/wrapped [host local] port 30020, GPUs 0,1" in result["output"]
+    assert _errors(result["output"]) == [
+        "shell-wrapped-overlap.yml/wrapped: GPU 0 is also used by shell-wrapped-overlap.yml/plain (host local)",
+        "shell-wrapped-overlap.yml/wrapped: GPU 1 is also used by shell-wrapped-overlap.yml/plain (host local)",
+    ]
+
+
+def test_nvlink_intra_pd_needs_one_pid_namespace(results):
+    errors = _errors(results["hole:nvlink-separate-pid.yml"]["output"])
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("nvlink-separate-pid.yml/prefill -> nvlink-separate-pid.yml/decode: the KV transfer "
+                                "uses Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK)")
+    assert "separate PID namespaces" in errors[0] and "pid: host" in errors[0]
+
+
+def test_nvlink_intra_refuses_expandable_segments(results):
+    errors = _errors(results["hole:nvlink-expandable-segments.yml"]["output"])
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("nvlink-expandable-segments.yml/decode: PYTORCH_CUDA_ALLOC_CONF turns on "
+                                "expandable_segments")
+    assert "cudaIpcGetMemHandle" in errors[0]
+
+
+def test_inactive_profiles_are_skipped_and_active_ones_checked(results):
+    skipped = results["hole:profile-overlap.yml"]
+    assert skipped["rc"] == 0, skipped["output"]
+    assert "skipping services of inactive profiles: debug (debug)" in skipped["output"]
+    active = results["hole:profile-active"]
+    assert active["rc"] == 1
+    assert "profile-overlap.yml/debug: GPU 0 is also used by profile-overlap.yml/sglang (host local)" in \
+        _errors(active["output"])
+
+
+def test_host_memory_is_checked_when_given(results):
+    assert results["hole:host-memory-unchecked"]["rc"] == 0, results["hole:host-memory-unchecked"]["output"]
+    errors = _errors(results["hole:host-memory"]["output"])
+    assert errors == ["host local: the servers pin 240 GB of host memory (host-memory.yml/sglang hicache 60 GB x 4 "
+                      "ranks 240 GB), more than --host-memory-gb 200"], errors
+    # A host pool sized relative to GPU memory cannot be checked offline: said, not passed.
+    errors = _errors(results["hole:host-memory-ratio"]["output"])
+    assert any(e.startswith("pd-1p1d.yml/prefill: its hierarchical cache's host pool is sized by --hicache-ratio 2.5")
+               for e in errors), errors
+
+
+def test_gpu_ids_beyond_the_node_are_refused(results):
+    result = results["hole:gpus-per-node"]
+    assert result["rc"] == 1
+    assert "pd-1p1d.yml/decode: names GPU 4, 5, 6, 7, but a node has GPUs 0-3 (--gpus-per-node 4)" in \
+        _errors(result["output"]), result["output"]
+
+
+def test_env_values_that_refer_to_other_variables(results):
+    result = results["hole:env-chain"]
+    assert result["rc"] == 0, result["output"]
+    assert "tp.yml/sglang [host local] port 31000, GPUs 4,5,6,7" in result["output"]
+
+
+def test_compose_config_output_plans_like_the_source_file(results):
+    config, source = results["compose-config:tp"], results["shipped:tp.yml"]
+    assert config["rc"] == 0, config["output"]
+    layout = [ln for ln in source["output"].splitlines() if ln.startswith(("tp.yml/", "    TP "))]
+    assert layout
+    for line in layout:
+        assert line.replace("tp.yml/", "tp.config.yml/") in config["output"], line

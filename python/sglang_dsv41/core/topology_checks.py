@@ -8,11 +8,13 @@ finding names the service and the reason.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from sglang_dsv41.core.compose_model import Service
+from sglang_dsv41.core.compose_model import Project, Service
+from sglang_dsv41.core.service_commands import ShellRefused, unwrap
 from sglang_dsv41.core.known_crashes import CrashFeatures, known_crash
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "[::1]"}
@@ -61,6 +63,12 @@ class ServerLayout:
     derived_ports: tuple[int, ...] = ()
     # host:port of the Mooncake master the store connects to, when the store is used.
     mooncake_master: str | None = None
+    # Host memory the server takes: the Mooncake store segment it contributes
+    # (bytes, for the whole server) and its hierarchical-cache host pool
+    # (--hicache-size, GB per rank; 0 when sized by --hicache-ratio).
+    mooncake_segment_bytes: int = 0
+    hicache_size_gb: float = 0.0
+    hicache_ratio: float = 0.0
 
     @property
     def gpu_indices(self) -> list[int]:
@@ -212,7 +220,8 @@ def parse_master(service: Service, args: list[str]) -> PlannedMaster:
 # --------------------------------------------------------------------------- checks
 
 
-def check_plan(plan: Plan, all_services: list[Service]) -> list[Problem]:
+def check_plan(plan: Plan, all_services: list[Service], options: "PlanOptions | None" = None) -> list[Problem]:
+    options = options or PlanOptions()
     problems: list[Problem] = []
     problems += check_known_crashes(plan)
     problems += check_gpus(plan)
@@ -222,6 +231,8 @@ def check_plan(plan: Plan, all_services: list[Service]) -> list[Problem]:
     problems += routing_problems
     problems += check_pd_pairs(pairs)
     problems += check_mooncake(plan)
+    problems += check_nvlink_intra(plan)
+    problems += check_host_memory(plan, options)
     return problems
 
 
@@ -572,4 +583,342 @@ def check_mooncake(plan: Plan) -> list[Problem]:
         if master.service.compose_file == svc.compose_file and master.service.name not in svc.depends_on:
             problems.append(Problem(svc.label, f"does not depend_on {master.service.name}, so it can start "
                                                "before its Mooncake master"))
+    return problems
+
+
+# --------------------------------------------------------------------------- fail closed on what a service is
+
+IGNORE_HINT = 'label it `sglang-dsv41.ignore: "true"` if it has nothing to do with serving'
+# Programs (or image names) of services that sit beside a deployment without
+# taking part in serving: Mooncake's metadata servers and monitoring.
+KNOWN_HELPERS = {"etcd", "mooncake_http_metadata_server", "prometheus", "grafana", "grafana-server",
+                 "node_exporter", "node-exporter", "dcgm-exporter", "dcgm_exporter"}
+PLUGIN_NAME = "dsv41"
+
+
+@dataclass
+class PlanOptions:
+    gpus_per_node: int = 8
+    host_memory_gb: float | None = None
+
+
+@dataclass
+class Classified:
+    """The services of a plan, each recognised as what it runs (or a problem)."""
+
+    servers: list[tuple[Service, list[str]]] = field(default_factory=list)
+    routers: list[tuple[Service, list[str]]] = field(default_factory=list)
+    masters: list[tuple[Service, list[str]]] = field(default_factory=list)
+    helpers: list[Service] = field(default_factory=list)
+    ignored: list[Service] = field(default_factory=list)
+    services: list[Service] = field(default_factory=list)  # every service, as unwrapped
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _runs_checked_program(words: list[str]) -> bool:
+    return any(f(words) is not None for f in (sglang_serve_args, router_args, mooncake_master_args))
+
+
+def _helper_name(service: Service, argv: list[str]) -> str | None:
+    if argv and argv[0].rsplit("/", 1)[-1] in KNOWN_HELPERS:
+        return argv[0].rsplit("/", 1)[-1]
+    if not argv and service.image:
+        repo = service.image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+        if repo in KNOWN_HELPERS:
+            return repo
+    return None
+
+
+def classify_services(services: list[Service]) -> Classified:
+    """Sort services into servers, routers, Mooncake masters and helpers; any
+    other service is a problem unless labelled as unrelated, so nothing is
+    skipped silently. Shell-wrapped commands are followed or refused."""
+    out = Classified()
+    for service in services:
+        try:
+            unwrapped = unwrap(service.argv, service.environment, _runs_checked_program)
+        except ShellRefused as exc:
+            out.services.append(service)
+            if service.ignored:
+                out.ignored.append(service)
+                continue
+            mentions = " ".join(service.argv)
+            if any(w in mentions for w in ("sglang", "mooncake_master", "launch_server")):
+                out.problems.append(Problem(service.label, f"its command is a shell script plan cannot follow "
+                                                           f"({exc}); write the sglang command as the service's "
+                                                           "command (a list) so plan can check it"))
+            else:
+                out.problems.append(Problem(service.label, f"plan cannot tell what this service runs ({exc}); "
+                                                           + IGNORE_HINT))
+            continue
+        if unwrapped.via:
+            service = dataclasses.replace(service, argv=unwrapped.argv, environment=unwrapped.environment)
+        out.services.append(service)
+        argv = service.argv
+        if (args := sglang_serve_args(argv)) is not None:
+            out.servers.append((service, args))
+        elif (args := router_args(argv)) is not None:
+            out.routers.append((service, args))
+        elif (args := mooncake_master_args(argv)) is not None:
+            out.masters.append((service, args))
+        elif service.ignored:
+            out.ignored.append(service)
+        elif _helper_name(service, argv):
+            out.helpers.append(service)
+        else:
+            shown = " ".join(argv)[:80] if argv else f"the default command of image {service.image or '?'}"
+            out.problems.append(Problem(service.label, f"is not an sglang server, router, Mooncake master or known "
+                                                       f"helper (it runs {shown}); plan cannot check it: "
+                                                       + IGNORE_HINT))
+    for service, _args in out.servers:
+        reason = plugin_filtered_out(service.environment)
+        if reason:
+            out.problems.append(Problem(service.label, reason))
+    return out
+
+
+def plugin_filtered_out(environment: dict[str, str]) -> str | None:
+    """Why a container with this environment would run stock sglang (None: it would not)."""
+    allowed = environment.get("SGLANG_PLUGINS")
+    if allowed is not None and allowed.strip():
+        names = {x.strip() for x in allowed.split(",") if x.strip()}
+        if PLUGIN_NAME not in names:
+            return (f"SGLANG_PLUGINS={allowed} leaves out the {PLUGIN_NAME} plugin, so this container would run "
+                    f"stock sglang without the DeepSeek-V4.1 fixes; add {PLUGIN_NAME} to the list or remove it")
+    return None
+
+
+# --------------------------------------------------------------------------- compose-level checks
+
+
+def check_projects(projects: list[Project], services: list[Service], options: PlanOptions) -> list[Problem]:
+    """What compose itself would refuse or get wrong, before any resolution."""
+    problems: list[Problem] = []
+    problems += check_depends_on(projects)
+    problems += check_names(projects)
+    problems += check_host_network_names(projects, services)
+    problems += check_gpu_ids(services, options)
+    return problems
+
+
+def check_depends_on(projects: list[Project]) -> list[Problem]:
+    problems = []
+    for project in projects:
+        names = {s.name for s in project.services}
+        for service in project.services:
+            for dep in service.depends_on:
+                if dep in names or dep in service.optional_depends_on:
+                    continue
+                if dep in project.inactive:
+                    wanted = ", ".join(project.inactive[dep])
+                    problems.append(Problem(service.label, f"depends_on {dep}, which is only in profile(s) {wanted}; "
+                                                           "compose refuses to start it: activate the profile "
+                                                           "(--profile) or drop the dependency"))
+                else:
+                    problems.append(Problem(service.label, f"depends_on {dep}, which is not a service of "
+                                                           f"{service.compose_file.name}"))
+    return problems
+
+
+def check_names(projects: list[Project]) -> list[Problem]:
+    """Files started together must not share a project name or a container name."""
+    problems = []
+    seen_projects: dict[str, Project] = {}
+    for project in projects:
+        other = seen_projects.get(project.name)
+        if other is not None and other.compose_file != project.compose_file:
+            problems.append(Problem(project.compose_file.name,
+                                    f"project name {project.name!r} is also the project of {other.compose_file.name}: "
+                                    "started one after the other, compose treats them as one project and the "
+                                    "second `up` replaces or orphans the first one's containers; give each file its "
+                                    "own top-level name"))
+        seen_projects.setdefault(project.name, project)
+    owners: dict[str, Service] = {}
+    for project in projects:
+        for service in project.services:
+            if not service.container_name:
+                continue
+            other = owners.get(service.container_name)
+            if other is not None:
+                problems.append(Problem(service.label, f"container_name {service.container_name} is also the "
+                                                       f"container name of {other.label}; docker allows one "
+                                                       "container per name"))
+            else:
+                owners[service.container_name] = service
+    return problems
+
+
+_ADDRESS = re.compile(r"(?:^|[\s/@=,;\"'(\[])([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,5})(?!\d)")
+_URL_HOST = re.compile(r"\b[a-z][a-z0-9+.-]*://([A-Za-z0-9][A-Za-z0-9_.-]*)(?=[/:?#]|$)")
+
+
+def _addressed_hosts(service: Service) -> list[tuple[str, str]]:
+    """(host, text) for each host name the service's command or environment addresses."""
+    found = []
+    texts = list(service.argv) + [f"{k}={v}" for k, v in service.environment.items()]
+    for text in texts:
+        for pattern in (_ADDRESS, _URL_HOST):
+            for match in pattern.finditer(text):
+                found.append((match.group(1), text))
+    return found
+
+
+def check_host_network_names(projects: list[Project], services: list[Service]) -> list[Problem]:
+    """Service names resolve only on compose networks: not from a host-network
+    service, and not to a host-network service."""
+    problems = []
+    by_project: dict[str, dict[str, Service]] = {}
+    for service in services:
+        names = by_project.setdefault(service.project, {})
+        names.setdefault(service.name, service)
+        if service.container_name:
+            names.setdefault(service.container_name, service)
+    for service in services:
+        names = by_project.get(service.project, {})
+        reported = set()
+        for host, text in _addressed_hosts(service):
+            target = names.get(host)
+            if target is None or target is service or host in LOOPBACK or host in service.extra_hosts:
+                continue
+            if host in reported:
+                continue
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            if _is_host_network(service):
+                reported.add(host)
+                problems.append(Problem(service.label, f"runs on the host network but addresses {host} by its "
+                                                       f"service name ({shown}); service names resolve only on "
+                                                       "compose networks, not from the host network: use the "
+                                                       "host's address (127.0.0.1 on one machine)"))
+            elif _is_host_network(target):
+                reported.add(host)
+                problems.append(Problem(service.label, f"addresses {host} by its service name ({shown}), but "
+                                                       f"{target.label} runs on the host network, where no service "
+                                                       "name resolves to it: use the host's address"))
+    return problems
+
+
+def check_gpu_ids(services: list[Service], options: PlanOptions) -> list[Problem]:
+    problems = []
+    limit = options.gpus_per_node
+    for service in services:
+        reservation = service.gpu_reservation
+        beyond = sorted({i for i in reservation.named_ids if i.isdigit() and int(i) >= limit}, key=int)
+        if beyond:
+            problems.append(Problem(service.label, f"names GPU {', '.join(beyond)}, but a node has GPUs 0-{limit - 1} "
+                                                   f"(--gpus-per-node {limit})"))
+        if reservation.count is not None and reservation.count > limit:
+            problems.append(Problem(service.label, f"reserves {reservation.count} GPUs, but a node has {limit} "
+                                                   f"(--gpus-per-node {limit})"))
+    return problems
+
+
+# --------------------------------------------------------------------------- Mooncake and host memory
+
+# Mooncake installs its intra-node NVLink transport ("nvlink_intra") whenever
+# MC_INTRANODE_NVLINK is set, whatever its value; the store can also be told to
+# use it by protocol, and sglang by its custom memory pool setting.
+def uses_nvlink_intra(environment: dict[str, str]) -> str | None:
+    if "MC_INTRANODE_NVLINK" in environment:
+        return "MC_INTRANODE_NVLINK"
+    if environment.get("MOONCAKE_PROTOCOL", "").strip().lower() == "nvlink_intra":
+        return "MOONCAKE_PROTOCOL=nvlink_intra"
+    if environment.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "").strip().upper() == "INTRA_NODE_NVLINK":
+        return "SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK"
+    return None
+
+
+def expandable_segments_setting(environment: dict[str, str]) -> str | None:
+    """The allocator variable that turns PyTorch's expandable segments on, if any."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in environment.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return var
+    return None
+
+
+def _share_pid_namespace(a: Service, b: Service) -> bool:
+    def joins(x: Service, y: Service) -> bool:
+        return (x.pid == f"service:{y.name}" and x.project == y.project) or \
+            (bool(y.container_name) and x.pid == f"container:{y.container_name}")
+
+    if a.pid == "host" and b.pid == "host":
+        return True
+    if joins(a, b) or joins(b, a):
+        return True
+    return bool(a.pid) and a.pid == b.pid and a.pid.startswith(("service:", "container:")) and a.project == b.project
+
+
+def check_nvlink_intra(plan: Plan) -> list[Problem]:
+    """Mooncake's intra-node NVLink transport registers KV memory with
+    cudaIpcGetMemHandle and maps the peer's with cudaIpcOpenMemHandle: legacy
+    CUDA IPC, which works only between processes that see each other (one PID
+    namespace) and only on cudaMalloc memory, not on the virtual-memory
+    allocations PyTorch's expandable segments make."""
+    problems = []
+    pd = [s for s in plan.servers if s.layout.disaggregation_mode in ("prefill", "decode")
+          and (s.layout.transfer_backend or "mooncake") == "mooncake"]
+    for server in pd:
+        how = uses_nvlink_intra(server.service.environment)
+        var = expandable_segments_setting(server.service.environment)
+        if how and var:
+            problems.append(Problem(server.service.label,
+                                    f"{var} turns on expandable_segments while the KV transfer uses Mooncake's "
+                                    f"intra-node NVLink transport ({how}): expandable segments come from CUDA's "
+                                    "virtual-memory API, and that transport shares memory with legacy CUDA IPC "
+                                    "(cudaIpcGetMemHandle), which works only on cudaMalloc memory; drop "
+                                    "expandable_segments:True"))
+    prefills = [s for s in pd if s.layout.disaggregation_mode == "prefill"]
+    decodes = [s for s in pd if s.layout.disaggregation_mode == "decode"]
+    for p in prefills:
+        for d in decodes:
+            ps, ds = p.service, d.service
+            if ps.host != ds.host:
+                continue
+            how = uses_nvlink_intra(ps.environment) or uses_nvlink_intra(ds.environment)
+            if not how or _share_pid_namespace(ps, ds):
+                continue
+            problems.append(Problem(f"{ps.label} -> {ds.label}",
+                                    f"the KV transfer uses Mooncake's intra-node NVLink transport ({how}), which "
+                                    "opens the peer's GPU memory through CUDA IPC handles; processes in separate "
+                                    f"PID namespaces cannot open them (pid: {ps.pid or 'own'} and "
+                                    f"{ds.pid or 'own'}): give both `pid: host`, or one `pid: \"service:<other>\"`"))
+    return problems
+
+
+def parse_segment_size(text: str) -> int:
+    """A Mooncake segment size as sglang reads it: bytes, or a number of GiB with ``gb``."""
+    value = text.strip().lower()
+    if value.endswith("gb"):
+        return int(value[:-2].strip()) * 1024 ** 3
+    return int(value)
+
+
+def check_host_memory(plan: Plan, options: PlanOptions) -> list[Problem]:
+    """The host memory the servers of one machine pin, against --host-memory-gb."""
+    if options.host_memory_gb is None:
+        return []
+    problems = []
+    totals: dict[str, list[tuple[str, float]]] = {}
+    for server in plan.servers:
+        lay, svc = server.layout, server.service
+        parts = totals.setdefault(svc.host, [])
+        if lay.hierarchical_cache:
+            if lay.hicache_size_gb <= 0:
+                problems.append(Problem(svc.label, f"its hierarchical cache's host pool is sized by --hicache-ratio "
+                                                   f"{lay.hicache_ratio:g} of the GPU KV pool, which plan cannot know "
+                                                   "offline; give --hicache-size (GB per rank) so host memory can be "
+                                                   "checked"))
+            else:
+                ranks = max(lay.gpus_needed, 1)
+                parts.append((f"{svc.label} hicache {lay.hicache_size_gb:g} GB x {ranks} ranks",
+                              lay.hicache_size_gb * ranks))
+        if lay.uses_mooncake_store and lay.mooncake_segment_bytes:
+            parts.append((f"{svc.label} Mooncake segment", lay.mooncake_segment_bytes / 1e9))
+    for host, parts in totals.items():
+        total = sum(gb for _, gb in parts)
+        if total > options.host_memory_gb:
+            detail = ", ".join(f"{what} {gb:.0f} GB" for what, gb in parts)
+            problems.append(Problem(f"host {host}", f"the servers pin {total:.0f} GB of host memory ({detail}), "
+                                                    f"more than --host-memory-gb {options.host_memory_gb:g}"))
     return problems
