@@ -188,11 +188,11 @@ def test_first_chunk_of_each_route_is_logged_per_router(results):
     for log in results["_logs"]:
         firsts = [l.split("first chunk routed ")[1].split(" ")[0]
                   for l in log.splitlines() if "first chunk routed" in l]
-        # the "auto" model's router saw owner then known; the five one-image
-        # runs' routers (each its own model) saw not-worth (also the one whose
+        # the "auto" model's router saw owner then known; the seven one-image
+        # runs' routers (each its own model) saw not-worth (also the ones whose
         # chunk then failed: routing comes first); every "always" model one
         # owner chunk
-        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 5, firsts
+        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 7, firsts
         assert "'owner'" in firsts
 
 
@@ -284,3 +284,18 @@ def test_a_bad_routing_setting_stops_the_model_build(results):
     for r in both(results, "bad-env"):
         assert "SGLANG_DSV41_OWNER_BROADCAST='sometimes'" in r["mode"], r
         assert "SGLANG_DSV41_OWNER_MIN_SAVING='lots'" in r["saving"], r
+
+
+def test_the_default_mode_is_guarded(results):
+    # SGLANG_DSV41_OWNER_BROADCAST unset at model build: the one-image chunk
+    # that auto would run with no collective gets guarded's two status rounds
+    for r in both(results, "default-one-image"):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"not-worth": 1}
+        assert r["encoded"] == [404]
+        assert r["all_reduce_max"] == 2 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+    # so an encoder failure on one rank is the same error on both
+    r0, r1 = both(results, "default-one-image-fails-on-1")
+    assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
+    assert r0["error"] == r1["error"]
+    assert "vision tower failed on 404" in r0["error"], r0

@@ -70,13 +70,15 @@ def one_rank_group(tmp_path_factory):
 def model(one_rank_group):
     mm_schedule.init_mm_embedding_cache(1 << 20)
     # Routing as for a group of two (a saving no chunk here reaches, so cold
-    # chunks route not-worth); the sessions run on the one-rank group.
+    # chunks route not-worth); the sessions run on the one-rank group. Mode
+    # auto: its stock encodes open no session (guarded: the last test).
     return SimpleNamespace(
         vision=object(),
         config=SimpleNamespace(hidden_size=4, vision_downsample_ratio=2),
         image_start=torch.zeros(4),
         mm_owner_group=one_rank_group,
-        mm_owner_router=OwnerRouter(2, RoutingPolicy(min_saving=10**9), SpanDirectory(0), row_bytes=4),
+        mm_owner_router=OwnerRouter(2, RoutingPolicy(mode="auto", min_saving=10**9), SpanDirectory(0),
+                                    row_bytes=4),
     )
 
 

@@ -150,18 +150,19 @@ def test_directories_fed_the_same_history_are_equal():
 
 
 def test_policy_from_env_defaults_and_switches():
+    # unset, or switched on without a mode: guarded
     assert RoutingPolicy.from_env({}) == RoutingPolicy(
-        "auto", DEFAULT_PER_IMAGE_COST, DEFAULT_MIN_SAVING
-    )
+        "guarded", DEFAULT_PER_IMAGE_COST, DEFAULT_MIN_SAVING
+    ) == RoutingPolicy()
     for off in ("0", "off", "false", " NO "):
         assert RoutingPolicy.from_env({ENV_MODE: off}) is None
-    for auto in ("1", "on", "auto", "true"):
-        assert RoutingPolicy.from_env({ENV_MODE: auto}).mode == "auto"
+    for on in ("", " ", "1", "on", "true", "Guarded"):
+        assert RoutingPolicy.from_env({ENV_MODE: on}).mode == "guarded"
     assert RoutingPolicy.from_env({ENV_MODE: "always"}).mode == "always"
-    assert RoutingPolicy.from_env({ENV_MODE: "Guarded"}).mode == "guarded"
+    assert RoutingPolicy.from_env({ENV_MODE: "AUTO"}).mode == "auto"
     # guarded routes exactly as auto; only the stock encodes get a session
-    guarded = OwnerRouter(2, RoutingPolicy(mode="guarded"), SpanDirectory(0), 1)
-    assert guarded.guards_stock_encodes and not router().guards_stock_encodes
+    guarded = OwnerRouter(2, RoutingPolicy(), SpanDirectory(0), 1)
+    assert guarded.guards_stock_encodes and not router(mode="auto").guards_stock_encodes
     assert guarded.route([span(1, grid=(64, 64))]) is Route.NOT_WORTH
     policy = RoutingPolicy.from_env({ENV_PER_IMAGE_COST: "10", ENV_MIN_SAVING: "0"})
     assert (policy.per_image_cost, policy.min_saving) == (10, 0)

@@ -29,11 +29,15 @@ the span locally, exactly as stock sglang would: slower once, never a
 mismatch of collectives. Since every rank's cache sees the same operations in
 the same order, its peers usually do the same.
 
-Chunks routed to stock keep stock's failure semantics (in mode "guarded",
-``known`` chunks only): an error on one rank is that rank's error, not an
-agreed one; in sglang 0.5.23 that scheduler exits and the launcher takes the
-server down. ``RoutingPolicy(mode="always")`` sends every image chunk through
-the protocol instead.
+Mode "guarded" is the default. Its stock-routed chunks that encode (the
+``not-worth`` ones) get the status-only session above, so an encoder failure
+on one rank is the same error on every rank; its ``known`` chunks (local
+lookups, no encoder unless a rank lost a span) keep stock's failure
+semantics. Mode "auto" routes the same way without that session: an error on
+one rank in any stock-routed chunk is that rank's error, not an agreed one; in
+sglang 0.5.23 that scheduler exits and the launcher takes the server down.
+``RoutingPolicy(mode="always")`` sends every image chunk through the
+protocol instead.
 
 This module depends on msgspec only.
 """
@@ -361,13 +365,13 @@ class SpanDirectory:
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True):
-    """``mode``: "auto" routes each chunk by the rules above; "guarded"
-    routes the same way and runs ``not-worth`` chunks in a status-only
-    session; "always" sends every chunk with an image span through the
-    protocol (the agreement guards every chunk, at its cost). Costs are in
-    patch-equivalents."""
+    """``mode``: "guarded" (the default) routes each chunk by the rules
+    above and runs ``not-worth`` chunks in a status-only session; "auto"
+    routes the same way without that session; "always" sends every chunk with
+    an image span through the protocol (the agreement guards every chunk, at
+    its cost). Costs are in patch-equivalents."""
 
-    mode: str = "auto"
+    mode: str = "guarded"
     per_image_cost: int = DEFAULT_PER_IMAGE_COST
     min_saving: int = DEFAULT_MIN_SAVING
 
@@ -384,9 +388,9 @@ class RoutingPolicy(msgspec.Struct, frozen=True):
         raw = environ.get(ENV_MODE, "").strip().lower()
         if raw in ("0", "false", "off", "no"):
             return None
-        if raw in ("", "1", "true", "on", "yes", "auto"):
-            mode = "auto"
-        elif raw in ("guarded", "always"):
+        if raw in ("", "1", "true", "on", "yes", "guarded"):
+            mode = "guarded"
+        elif raw in ("auto", "always"):
             mode = raw
         else:
             raise ValueError(f"{ENV_MODE}={environ[ENV_MODE]!r}: expected 0, 1, auto, guarded or always")
