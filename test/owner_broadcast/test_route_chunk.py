@@ -30,6 +30,7 @@ from sglang.srt.managers.schedule_batch import (  # noqa: E402
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
+from sglang_dsv41.core.owner_chunks import build_table  # noqa: E402
 from sglang_dsv41.core.owner_routing import (  # noqa: E402
     ChunkSpan,
     ItemMeta,
@@ -205,7 +206,7 @@ def test_the_hooks_read_items_as_the_core_documents(data):
     items = data.draw(st.lists(st.builds(lambda: None) | st.composite(lambda draw: odd_item(draw))(),
                                max_size=5))
     mm = MultimodalInputs(mm_items=items, im_token_id=99)
-    table = owner_broadcast._build_table(mm, mm.mm_items)
+    table = build_table(mm, mm.mm_items)
     expected = RequestImages([reference_meta(item) for item in items
                               if item is not None and item.modality is Modality.IMAGE])
     fields = ("precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch")

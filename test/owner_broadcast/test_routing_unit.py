@@ -434,3 +434,20 @@ def test_a_known_request_covers_every_item_s_key_not_only_the_first_per_hash():
     assert r.route_requests([request], [0], [15])[0] is Route.KNOWN
     route, spans = r.route_requests([request], [15], [15])
     assert spans == (ChunkSpan(1, 10, ()),) and route is not Route.KNOWN
+
+
+def test_the_owner_core_modules_import_no_sglang():
+    # The routing, the protocol and the reading of the engine's batch objects
+    # are plain modules: importing them must not pull sglang in.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import sglang_dsv41.core.owner_chunks, sglang_dsv41.core.owner_routing\n"
+        "import sglang_dsv41.core.owner_embedding\n"
+        "print(sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1037,3 +1037,55 @@ class TorchDistributedGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._dist.broadcast(tensor, src=self.ranks[src], group=self.tensor_group)
         return tensor
+
+
+class CoordinatorGroup:
+    """``OwnerGroup`` over a group coordinator shaped like sglang's
+    ``GroupCoordinator`` (``rank_in_group``, ``world_size``, ``ranks``,
+    ``device``, ``device_group``, ``all_gather_object``, ``broadcast``):
+    objects (only after a failure) go over its gloo CPU group; span
+    broadcasts over its device group (pynccl when enabled); status rounds are
+    a MAX all-reduce of a few int64 words on the device group (NCCL on GPUs),
+    next to the broadcasts' own communicator. The coordinator's own
+    ``all_reduce`` is not used for them: sglang's only sums, and routes
+    through custom all-reduce kernels sized for activations."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._status_device = None
+
+    @property
+    def rank_in_group(self) -> int:
+        return self.coordinator.rank_in_group
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(self.coordinator.ranks)
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        return self.coordinator.all_gather_object(obj)
+
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        import torch.distributed as dist
+
+        coordinator = self.coordinator
+        if coordinator.world_size == 1:
+            return [int(v) for v in values]
+        if self._status_device is None:
+            backend = str(dist.get_backend(coordinator.device_group)).lower()
+            self._status_device = (
+                torch.device("cpu") if backend == "gloo" else torch.device(coordinator.device)
+            )
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._status_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=coordinator.device_group)
+        return tensor.tolist()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.coordinator.broadcast(tensor, src=src)
+
+    def __repr__(self) -> str:
+        return f"CoordinatorGroup({self.coordinator.unique_name}, ranks={self.ranks})"
