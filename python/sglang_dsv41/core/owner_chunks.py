@@ -238,6 +238,19 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
     return _new_tuple(ChunkRoute, (route, spans, session))
 
 
+def span_cost(per_image_cost: int) -> Callable[[SpanRequest], int]:
+    """A session's span cost, in the routing's units: the per-image cost plus
+    the ViT patches of the span's item (its grid as the metadata holds it),
+    so the protocol balances its owners by what the routing estimated."""
+
+    def cost(request: SpanRequest) -> int:
+        data = request.item.model_specific_data
+        grid = (data.get("n_vit_h"), data.get("n_vit_w"))
+        return per_image_cost + _new_tuple(ChunkSpan, (request.content_hash, request.span_len, grid)).patches
+
+    return cost
+
+
 def sync_directory_capacity(router: OwnerRouter, capacity_bytes: int) -> None:
     """The directory shadows the embedding cache: the same byte budget, read
     from the cache every rank built from the same setting. Read where spans

@@ -207,6 +207,7 @@ def open_session(model, forward_batch, local_encode: bool = False) -> OwnerSessi
         signature=lambda item, span_len: image_span_geometry(config, item, span_len),
         allocation_context=symmetric_memory_disabled,
         local_encode=local_encode,
+        span_cost=owner_chunks.span_cost(model.mm_owner_router.policy.per_image_cost),
     )
 
 
