@@ -84,9 +84,11 @@ def test_image_chunk_takes_the_owner_path(results):
         assert r["cached"] == [101, 202, 303]
         assert r["ids_in_vocab"] and r["image_ids"] == 8 + 4 + 8 + 6
     assert r0["digest"] == r1["digest"]
-    # Each distinct image once in the group, by its owner (hash mod 2); image
-    # 101 sits in both prompts and is still encoded once.
-    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+    # Each distinct image once in the group, by its owner, owners balanced by
+    # cost (4096 + patches): 101 (6x6), the costliest, alone on rank 0, then
+    # 303 (6x3) and 202 (3x3) on rank 1. Image 101 sits in both prompts and is
+    # still encoded once.
+    assert r0["encoded"] == [101] and r1["encoded"] == [202, 303]
 
 
 def test_stock_path_is_byte_identical_and_encodes_everywhere(results):
@@ -122,8 +124,9 @@ def test_partial_image_spans_in_a_chunk(results):
     assert r0["embeds_match"] and r1["embeds_match"] and r0["digest"] == r1["digest"]
     # tokens 5..15: the tail of image 101 (5..9) and the start of image 202 (14..15)
     assert r0["image_ids"] == 5 + 2
-    # whole spans are encoded and cached even when the chunk holds only part
-    assert r0["encoded"] + r1["encoded"] == [202, 101]
+    # whole spans are encoded and cached even when the chunk holds only part,
+    # each once, one per owner
+    assert r0["encoded"] == [101] and r1["encoded"] == [202]
     assert r0["cached"] == r1["cached"] == [101, 202]
 
 
@@ -142,7 +145,8 @@ def test_text_prompt_beside_an_image_prompt(results):
     r0, r1 = both(results, "mixed")
     assert r0["status"] == r1["status"] == "ok"
     assert r0["embeds_match"] and r0["digest"] == r1["digest"]
-    assert r0["encoded"] == [] and r1["encoded"] == [101, 303]
+    # the image request's two images, one per owner
+    assert r0["encoded"] == [101] and r1["encoded"] == [303]
 
 
 @pytest.mark.parametrize(
@@ -207,7 +211,7 @@ def test_auto_routing_takes_the_protocol_when_it_saves_encoder_work(results):
         assert r["routes"] == {"owner": 1}
         assert r["all_reduce_max"] == 4 and r["broadcast"] == 2
         assert r["digest"] == owner0["digest"]
-    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+    assert r0["encoded"] == [101] and r1["encoded"] == [202, 303]
     # the group recorded the three spans, identically on both ranks
     assert r0["directory_spans"] == r1["directory_spans"] == 3
     assert r0["directory"] == r1["directory"]
