@@ -27,6 +27,7 @@ and ``build_table`` are written for few instructions
 from __future__ import annotations
 
 import logging
+import os
 from contextvars import ContextVar
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -287,18 +288,26 @@ def owner_group_decision(policy: Optional[RoutingPolicy], batched_per_image: boo
                          parallel: Callable[[], Any]) -> Tuple[Any, str]:
     """Whether a vision model gets the owner path: the coordinator of the
     group that replicates its image work (or None) and the decision in
-    words. ``policy``: from the environment (None: switched off);
-    ``batched_per_image``: whether the platform encodes through the batched
-    per-image path the protocol hooks; ``parallel``: the engine's parallel
-    layout, read only when the rest allows the owner path."""
+    words, logged once per process. ``policy``: from the environment (None:
+    switched off); ``batched_per_image``: whether the platform encodes
+    through the batched per-image path the protocol hooks; ``parallel``: the
+    engine's parallel layout, read only when the rest allows the owner path."""
     if policy is None:
-        return None, f"off ({ENV_MODE}=0)"
-    if not batched_per_image:
-        return None, "off (this platform does not use the batched per-image encode)"
-    coordinator, decision = replicating_coordinator(parallel())
-    if coordinator is None:
-        return None, decision
-    return coordinator, f"{decision}; routing {describe_routing(policy)}"
+        coordinator, decision = None, f"off ({ENV_MODE}=0)"
+    elif not batched_per_image:
+        coordinator, decision = None, "off (this platform does not use the batched per-image encode)"
+    else:
+        coordinator, decision = replicating_coordinator(parallel())
+        if coordinator is not None:
+            decision = f"{decision}; routing {describe_routing(policy)}"
+    global _decision_logged
+    if not _decision_logged:
+        _decision_logged = True
+        logger.info("[sglang-dsv41] owner-broadcast embedding: %s (pid %d)", decision, os.getpid())
+    return coordinator, decision
+
+
+_decision_logged = False
 
 
 def replicating_coordinator(parallel) -> Tuple[Any, str]:

@@ -11,7 +11,6 @@ through the session (``OWN-ENCODE``), and a text embedding that agrees
 
 from __future__ import annotations
 
-import logging
 import os
 from contextlib import contextmanager
 from typing import Optional
@@ -29,11 +28,8 @@ from sglang_dsv41.core.owner_chunks import (
 from sglang_dsv41.core.owner_embedding import CoordinatorGroup, OwnerSession
 from sglang_dsv41.core.owner_routing import ENV_MODE, OwnerRouter, Route, RoutingPolicy, SpanDirectory
 
-logger = logging.getLogger(__name__)
-
 ENV_SWITCH = ENV_MODE
 _KNOWN = Route.KNOWN  # a module global: one lookup on every chunk
-_decision_logged = False
 
 # Whether this process routes image chunks (a router was attached to a model
 # it built, outside a PD decode server): only then are request tables built
@@ -89,13 +85,6 @@ def symmetric_memory_disabled():
 # Group choice (OWN-GROUP) and admission (OWN-ADMIT)
 
 
-def _log_decision_once(message: str) -> None:
-    global _decision_logged
-    if not _decision_logged:
-        _decision_logged = True
-        logger.info("[sglang-dsv41] owner-broadcast embedding: %s (pid %d)", message, os.getpid())
-
-
 def choose_owner_group(model) -> Optional[CoordinatorGroup]:
     """The group whose members all prepare the same chunk, or None to keep
     sglang's replicated encode."""
@@ -106,10 +95,9 @@ def choose_owner_group(model) -> Optional[CoordinatorGroup]:
 
     # HIP, NPU and XPU encode per request, never through the per-image path.
     batched = not (mm_schedule._is_hip or mm_schedule._is_npu or mm_schedule._is_xpu)
-    coordinator, decision = owner_chunks.owner_group_decision(
+    coordinator, _decision = owner_chunks.owner_group_decision(
         RoutingPolicy.from_env(os.environ), batched, get_parallel
     )
-    _log_decision_once(decision)
     return None if coordinator is None else CoordinatorGroup(coordinator)
 
 
@@ -127,9 +115,8 @@ def _require_request_tables() -> None:
 
 
 def attach_owner_path(model) -> None:
-    """Sets ``model.mm_owner_group`` and ``model.mm_owner_router`` (both None
-    when the owner path is off for this model). A bad value in the routing
-    variables stops the model build with a message naming the variable."""
+    """Sets ``model.mm_owner_group`` and ``model.mm_owner_router`` (None when
+    the owner path is off); a bad routing setting stops the build, naming it."""
     global _routes_in_process
     group = choose_owner_group(model)
     model.mm_owner_group = group
