@@ -32,7 +32,8 @@ Modes
                              What one GPU can measure for a group of R:
                                measured  encoder time for all cache misses
                                measured  encoder time for each owner's share
-                                         (owner = hash mod R); the largest counts
+                                         (owners as the protocol balances them;
+                                         --owners hash: hash mod R); the largest counts
                                measured  device copy of each owner's payload
                                          bytes (a stand-in for the broadcast)
                                measured  the protocol's agreements: the real
@@ -49,11 +50,21 @@ Modes
   --mode nccl --world 2      Two GPUs, NCCL for spans and status rounds, gloo for
                              the object gathers that follow a failure,
                              real protocol; skips (exit 0) with fewer GPUs.
+  --mode shares --world R --images N
+                             CPU only, no encoder: how evenly the owners share
+                             the encoder work of N cold images (cost = per-image
+                             cost + patches, the routing's units), for batches
+                             of a realistic size mix drawn from a fixed seed,
+                             under hash mod R and under the balanced rule the
+                             protocol uses. The busiest owner's work against
+                             the ideal (an R-th of the batch); the last line is
+                             the balanced rule's worst batch, `busiest/ideal X.XX`.
 
 Examples
   PYTHONPATH=python python benchmarks/owner_embedding.py --mode gloo --world 2
   PYTHONPATH=python python benchmarks/owner_embedding.py --mode single-gpu --world 8
   PYTHONPATH=python python benchmarks/owner_embedding.py --mode nccl --world 2
+  PYTHONPATH=python python benchmarks/owner_embedding.py --mode shares --world 8 --images 32
 """
 
 from __future__ import annotations
@@ -76,7 +87,8 @@ from torch import nn
 
 from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, TorchDistributedGroup
 from sglang_dsv41.core.owner_routing import (ChunkSpan, OwnerRouter, RequestImages, Route,
-                                             RoutingPolicy, SpanDirectory, owner_of)
+                                             RoutingPolicy, SpanDirectory, balanced_owners,
+                                             owner_loads, owner_of)
 
 PRESETS = {
     # Sized like DeepSeek-V4.1's vision tower and hidden size.
@@ -528,7 +540,12 @@ def run_single_gpu(args):
                         assemble(features)
 
                 routed_stock = time_on(one_batch, device, args.iters)
-            shares = [[r for r in misses if owner_of(r.content_hash, world) == owner] for owner in range(world)]
+            if args.owners == "hash":
+                owners = [owner_of(r.content_hash, world) for r in misses]
+            else:  # the protocol's rule, with the routing's costs
+                owners = balanced_owners([args.per_image_cost + grid[0] * grid[1]] * len(misses),
+                                         [r.content_hash for r in misses], world)
+            shares = [[r for r, o in zip(misses, owners) if o == owner] for owner in range(world)]
             share_times = [time_on(lambda s=s: encoder(s), device, args.iters) if s else 0.0
                            for s in shares]
             # Every non-local span moves once, from its owner: with cold caches
@@ -594,9 +611,71 @@ def run_single_gpu(args):
 # ---------------------------------------------------------------- main
 
 
+# Original sizes (width, height) of images as users send them, with weights:
+# phone photos, camera photos, screenshots, scans, web images, small icons.
+IMAGE_MIX = [
+    ((4032, 3024), 6), ((3024, 4032), 4), ((1920, 1080), 5), ((1080, 1920), 3),
+    ((2560, 1440), 3), ((1440, 900), 3), ((1280, 720), 4), ((1024, 768), 3),
+    ((800, 600), 3), ((640, 480), 3), ((512, 512), 2), ((2480, 3508), 2),
+    ((1200, 628), 2), ((300, 300), 1), ((128, 128), 1),
+]
+MIN_PIXELS = 544 * 544  # DeepSeek-V4.1's processor scales smaller images up to this area
+MAX_SPAN_TOKENS = 1024  # ... and larger ones down to this many span tokens
+
+
+def vit_grid(width, height):
+    """An image's ViT patch grid, by the processor's rules as its settings
+    describe them (scale up to the minimum area, round up to whole patches,
+    shrink keeping the aspect until the span fits the token budget)."""
+    if width * height < MIN_PIXELS:
+        scale = math.sqrt(MIN_PIXELS / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    grid_w, grid_h = math.ceil(width / PATCH), math.ceil(height / PATCH)
+    while ViTLike.span_len(grid_h, grid_w) > MAX_SPAN_TOKENS:
+        shrink = math.sqrt(MAX_SPAN_TOKENS / ViTLike.span_len(grid_h, grid_w))
+        grid_w, grid_h = max(1, int(grid_w * min(shrink, 0.99))), max(1, int(grid_h * min(shrink, 0.99)))
+    return grid_h, grid_w
+
+
+def run_shares(args):
+    import random
+
+    rng = random.Random(args.seed)
+    sizes = [size for size, weight in IMAGE_MIX for _ in range(weight)]
+    rules = {"hash mod R": lambda costs, hashes: [owner_of(h, args.world) for h in hashes],
+             "balanced": lambda costs, hashes: balanced_owners(costs, hashes, args.world)}
+    ratios = {name: [] for name in rules}
+    grids = []
+    for _ in range(args.batches):
+        batch = [vit_grid(*rng.choice(sizes)) for _ in range(args.images)]
+        grids.extend(batch)
+        hashes = [rng.getrandbits(63) for _ in batch]
+        costs = [args.per_image_cost + h * w for h, w in batch]
+        ideal = sum(costs) / args.world
+        for name, rule in rules.items():
+            loads = owner_loads(costs, rule(costs, hashes), args.world)
+            ratios[name].append(max(loads) / ideal)
+    patches = sorted(h * w for h, w in grids)
+    print(f"{args.batches} batches of {args.images} cold images over R = {args.world} owners, seed "
+          f"{args.seed}; ViT grids {min(patches)}-{max(patches)} patches (median "
+          f"{patches[len(patches) // 2]}); cost per image = {args.per_image_cost} + its patches")
+    print(f"{'ownership':<12} {'busiest/ideal: median':>22} {'p90':>6} {'worst':>6} "
+          f"{'busiest share of the batch (worst)':>36}")
+    for name, values in ratios.items():
+        values = sorted(values)
+        print(f"{name:<12} {values[len(values) // 2]:>22.3f} {values[(len(values) * 9) // 10]:>6.3f} "
+              f"{values[-1]:>6.3f} {values[-1] / args.world:>36.3f}")
+    print(f"balanced, worst of the {args.batches} batches (the floor is 1.00):")
+    print(f"busiest/ideal {max(ratios['balanced']):.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["gloo", "single-gpu", "nccl"], default="gloo")
+    parser.add_argument("--mode", choices=["gloo", "single-gpu", "nccl", "shares"], default="gloo")
+    parser.add_argument("--owners", choices=["balanced", "hash"], default="balanced",
+                        help="single-gpu mode: how the owners' shares are formed")
+    parser.add_argument("--batches", type=int, default=200, help="shares mode: batches drawn")
+    parser.add_argument("--seed", type=int, default=2026, help="shares mode: the batches' seed")
     parser.add_argument("--backend", choices=["gloo", "nccl"], help="alias: --backend gloo is --mode gloo")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--preset", choices=sorted(PRESETS))
@@ -622,7 +701,12 @@ def main():
     for name, value in preset.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    if args.mode == "gloo":
+    if args.mode == "shares":
+        if args.world < 1 or args.images < 1 or args.batches < 1:
+            print("shares mode: --world, --images and --batches must be at least 1", file=sys.stderr)
+            return 2
+        run_shares(args)
+    elif args.mode == "gloo":
         run_group(args, "gloo")
     elif args.mode == "nccl":
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -70,11 +70,26 @@ hook (the table build) and the routing timed in place, and their shares of
 stock: of the admission, of the chunk, of the two together, and per block
 against the rest of the same block (as ``block share`` above).
 
+``--guarded`` times what mode ``guarded`` (the default) adds to a chunk that
+encodes on every rank (one new image, routed ``not-worth``): two CPU
+processes form a real gloo group (sglang's ``GroupCoordinator``, the TP text
+embedding all-reducing over it, as in sglang with TP 2), and each runs the
+real input preparation of the same new-image chunks, in blocks that take
+turns: stock (no patch), ``auto`` (no session), ``guarded`` (the
+status-only session: a round before the text embedding's all-reduce and one
+at the fence end) and ``auto+rounds`` (auto's chunk followed by two bare
+status rounds: what the rounds themselves cost, apart from the session). The vision tower is a stand-in that returns the span at
+once, so the chunk is as cheap as it can be and the guarded share as large;
+a real encoder (milliseconds per image) only adds to the chunk. Wall time
+per block (the rounds wait for the peer, as in production), median over
+blocks; guarded/auto as the median of each round's pair of blocks.
+
 Needs sglang 0.5.23 (CPU is enough):
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --width 7168 --rounds 10
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --bytecodes
   PYTHONPATH=python python benchmarks/owner_routing_overhead.py --admission
+  PYTHONPATH=python python benchmarks/owner_routing_overhead.py --guarded
 """
 
 from __future__ import annotations
@@ -297,6 +312,169 @@ def admission_scheduler(model):
     return rig.scheduler
 
 
+def guarded_worker(rank, store, args, queue):
+    """One rank of --guarded (see the module docstring)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.managers import mm_schedule
+    from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem, MultimodalInputs
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_dsv41.core.owner_embedding import CoordinatorGroup
+    from sglang_dsv41.core.owner_routing import OwnerRouter, Route, RoutingPolicy, SpanDirectory
+    from sglang_dsv41.testing import patches_installed
+
+    coordinator = GroupCoordinator(
+        [[0, 1]], local_rank=rank, torch_distributed_backend="gloo", use_pynccl=False,
+        use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
+        use_hpu_communicator=False, use_xpu_communicator=False, group_name="owner_guarded_bench",
+    )
+    width, tokens = args.width, span_tokens(GRID)
+    with get_parallel().override(
+        tp_size=2, tp_rank=rank, attn_dp_size=1, attn_cp_size=1, attn_tp_size=2,
+        attn_tp_rank=rank, tp_group=coordinator, attn_tp_group=coordinator,
+        pp_group=SimpleNamespace(world_size=1, is_last_rank=True),
+    ):
+        text_embedding = VocabParallelEmbedding(VOCAB, width)
+
+        class Body(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed_tokens = text_embedding
+
+            def get_input_embeddings(self):
+                return self.embed_tokens
+
+        class ColdVisionModel(DeepseekV4ForCausalLM):
+            """The real class; only what input preparation reads is built."""
+
+            def __init__(self):
+                nn.Module.__init__(self)
+                self.config = SimpleNamespace(hidden_size=width, image_token_id=IMAGE_TOKEN_ID,
+                                              vision_downsample_ratio=RATIO)
+                self.vision = object()
+                self.image_start = nn.Parameter(torch.zeros(width))
+                self.model = Body()
+                self.span = torch.randn(tokens, width)
+
+            def get_image_feature(self, items):  # a vision tower that costs nothing
+                return [self.span for _ in items]
+
+        model = ColdVisionModel()
+        model.mm_owner_group = CoordinatorGroup(coordinator)
+        model.mm_owner_router = router = OwnerRouter(
+            2, RoutingPolicy(mode="guarded"), SpanDirectory(0), width * model.image_start.element_size())
+        length = tokens + 8
+        ids = [(7 * i + 1) % (VOCAB - 1) for i in range(length)]
+        hashes = itertools.count(10_000_019, 7919)  # the same new image per chunk on both ranks
+
+        def new_chunk():
+            item = MultimodalDataItem(modality=Modality.IMAGE, feature=torch.zeros(3, 4),
+                                      offsets=[(4, 4 + tokens - 1)])
+            item.set_hash(next(hashes))
+            item.model_specific_data.update(n_vit_h=GRID[0], n_vit_w=GRID[1])
+            prompt = list(ids)
+            prompt[4 : 4 + tokens] = item.padding_sequence(tokens)
+            batch = SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND,
+                mm_inputs=[MultimodalInputs(mm_items=[item], im_token_id=IMAGE_TOKEN_ID)],
+                extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[length], rids=["bench"],
+                mm_input_embeds=None)
+            return torch.tensor(prompt, dtype=torch.long), batch
+
+        times = {f"{variant} {clock}": [] for variant in ("stock", "auto", "guarded", "auto+rounds")
+                 for clock in ("wall", "cpu")}
+        group = model.mm_owner_group
+
+        def block(variant, timed=True):
+            chunks = [new_chunk() for _ in range(BLOCK)]
+            mm_schedule.init_mm_embedding_cache(1 << 30)
+            router.guards_stock_encodes = variant == "guarded"  # auto+rounds: auto's routing
+            gc.collect()
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            for input_ids, batch in chunks:
+                model.prepare_language_model_inputs(input_ids, batch, None)
+                if variant == "auto+rounds":  # auto's chunk plus two bare status rounds
+                    group.all_reduce_max([0] * 5)
+                    group.all_reduce_max([0] * 5)
+            if timed:
+                times[f"{variant} cpu"].append((time.thread_time() - cpu_start) / BLOCK)
+                times[f"{variant} wall"].append((time.perf_counter() - start) / BLOCK)
+
+        with torch.inference_mode():
+            block("stock", timed=False)  # warm-up
+            with patches_installed(*PATCHES):
+                block("auto", timed=False)
+                block("guarded", timed=False)
+            for _ in range(args.phases):
+                for _ in range(args.rounds):
+                    block("stock")
+                with patches_installed(*PATCHES):
+                    for _ in range(args.rounds):
+                        block("auto")
+                        block("guarded")
+                        block("auto+rounds")
+        routes = {route.value: n for route, n in router.routes.items() if n}
+        assert routes == {"not-worth": (3 * args.phases * args.rounds + 2) * BLOCK}, routes
+    queue.put({"rank": rank, "times": times})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def guarded_run(args):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    print(f"one new image per chunk ({span_tokens(GRID)} tokens, routed not-worth), real sglang "
+          f"0.5.23 input preparation on two gloo CPU ranks (TP 2, the text embedding all-reduced), "
+          f"width {args.width}, a vision tower that costs nothing; median over {args.phases} x "
+          f"{args.rounds} blocks of {BLOCK} chunks per variant, per rank: CPU time of the "
+          "rank's thread (what the variant computes) and wall time (with the peer waits)")
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [context.Process(target=guarded_worker, args=(rank, f"{tmp}/store", args, queue))
+                 for rank in (0, 1)]
+        for proc in procs:
+            proc.start()
+        results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+        for proc in procs:
+            proc.join(timeout=120)
+    if any(proc.exitcode != 0 for proc in procs):
+        print(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}", file=sys.stderr)
+        return 1
+    print(f"{'rank':>4} {'clock':>5} {'stock us':>9} {'auto us':>8} {'guarded us':>10} "
+          f"{'guarded-auto us':>15} {'guarded/auto':>12} {'added/stock':>11} {'auto+2 rounds us':>16}")
+    shares = []
+    for result in results:
+        times = result["times"]
+        for clock in ("cpu", "wall"):
+            stock, auto, guarded, rounds = (statistics.median(times[f"{k} {clock}"]) * 1e6
+                                            for k in ("stock", "auto", "guarded", "auto+rounds"))
+            paired = statistics.median(g / a for g, a in zip(times[f"guarded {clock}"],
+                                                             times[f"auto {clock}"]))
+            shares.append((clock, paired - 1))
+            print(f"{result['rank']:>4} {clock:>5} {stock:>9.1f} {auto:>8.1f} {guarded:>10.1f} "
+                  f"{guarded - auto:>15.1f} {paired:>12.3f} {(guarded - auto) / stock:>11.3f} "
+                  f"{rounds:>16.1f}")
+    for clock in ("cpu", "wall"):
+        values = [share for c, share in shares if c == clock]
+        print(f"guarded adds {min(values):.3f}-{max(values):.3f} of the auto chunk ({clock} time, "
+              "paired blocks, both ranks)")
+    return 0
+
+
 def admission_run(args):
     """--admission: a new request's admission and first chunk, stock against
     the plugin (see the module docstring)."""
@@ -423,6 +601,8 @@ def main():
     parser.add_argument("--admission", action="store_true",
                         help="time new requests' admission and first chunk, stock against the "
                              "plugin with OWN-ADMIT")
+    parser.add_argument("--guarded", action="store_true",
+                        help="what mode guarded adds to a chunk that encodes, on two gloo ranks")
     parser.add_argument("--calls", type=int, default=3000,
                         help="new requests timed call by call with --bytecodes")
     args = parser.parse_args()
@@ -433,6 +613,8 @@ def main():
     if args.admission:
         admission_run(args)
         return
+    if args.guarded:
+        return guarded_run(args)
 
     from sglang_dsv41.hooks import owner_broadcast
     from sglang_dsv41.testing import patches_installed
@@ -552,4 +734,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

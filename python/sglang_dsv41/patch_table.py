@@ -218,8 +218,9 @@ PATCHES: tuple[Patch, ...] = (
         reason="Routes each image chunk from what every rank holds alike (batch metadata, "
         "settings, the group's span directory), so all ranks decide without communicating: "
         "spans the group already holds, and chunks whose encoder work the owners cannot usefully "
-        "share, run stock code with no collective (with SGLANG_DSV41_OWNER_BROADCAST=guarded the "
-        "latter in a status-only session); the others open an owner session. Sessions fence the "
+        "share, run stock code (the latter in a status-only session in the default mode guarded; "
+        "SGLANG_DSV41_OWNER_BROADCAST=auto runs them with no collective); the others open an "
+        "owner session. Sessions fence the "
         "whole input preparation, so a failure on any rank becomes the same error on every rank "
         "instead of a hang.",
         source="the original fork's models/deepseek_v4.py (prepare_model_inputs fence, _mm_owner_session)",

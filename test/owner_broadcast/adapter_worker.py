@@ -195,7 +195,10 @@ def run_all(rank, coordinator, counts):
         """requests: list of (prompt_ids, mm_inputs or None, images, prefix, extend).
         env "always" sends every image chunk through the protocol; "auto" routes
         it. ``model_key`` reuses the model (and its router) of an earlier run."""
-        os.environ[owner_broadcast.ENV_SWITCH] = env
+        if env is None:  # the variable unset: the default mode
+            os.environ.pop(owner_broadcast.ENV_SWITCH, None)
+        else:
+            os.environ[owner_broadcast.ENV_SWITCH] = env
         os.environ.pop(ENV_MIN_SAVING, None)
         if min_saving is not None:
             os.environ[ENV_MIN_SAVING] = str(min_saving)
@@ -314,6 +317,10 @@ def run_all(rank, coordinator, counts):
         run("guarded-one-image-fails-on-1", [(c_ids, c_mm, c_images, 0, 12)], env="guarded",
             fail_hash=404, encode_fails_on=1),
         run("guarded-after-failure", [(c_ids, c_mm, c_images, 0, 12)], env="guarded"),
+        # The variable unset: the default mode must be guarded, failure included.
+        run("default-one-image", [(c_ids, c_mm, c_images, 0, 12)], env=None),
+        run("default-one-image-fails-on-1", [(c_ids, c_mm, c_images, 0, 12)], env=None,
+            fail_hash=404, encode_fails_on=1),
     ]
     # AgreedTextEmbedding relies on VocabParallelEmbedding.forward taking its
     # local lookup from _embed_local_shard and then all-reducing it, and on a

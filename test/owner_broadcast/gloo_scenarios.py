@@ -266,7 +266,7 @@ def scenarios(world: int) -> list:
     out = [
         dict(name="cold", spans=spans, rids=["a", "b"]),
         dict(name="all-cached", spans=spans, rids=["a"], cached_on=everyone),
-        # Rank 0's cache: its own spans broadcast from cache, the rest encoded.
+        # Rank 0's cache holds every span: it sends them all, nobody encodes.
         dict(name="owner-cached", spans=spans, rids=["c"], cached_on={"0": spans}),
         dict(name="bad-cache", spans=spans, rids=["d"],
              cached_on={str(r): spans for r in range(1, world)},
@@ -314,7 +314,8 @@ def fast_path_scenarios(world: int, spans: list, everyone: dict) -> list:
         dict(name="many-cold", spans=many, rids=["q"]),
     ]
     for rank in range(world):
-        # Rank `rank` lacks the span it owns (hash `rank`): it encodes it.
+        # Rank `rank` lacks the span hash mod R would give it (hash `rank`):
+        # a peer that holds it sends it.
         own = [s for s in spans if s[0] != rank]
         out.append(dict(name=f"missing-own-rank{rank}", spans=spans, rids=["m"],
                         cached_on={**everyone, str(rank): own}))
@@ -411,8 +412,10 @@ def routing_history(group: CountingGroup, chunks: int = 80) -> dict:
             return [reference_span(r.content_hash, r.span_len) for r in requests]
 
         if route is Route.OWNER:
+            # owners balanced by the router's own costs, as production sets them
             session = OwnerSession(group, device=torch.device("cpu"), dtype=DTYPE, width=WIDTH,
-                                   request_ids=[f"chunk{index}"], signature=lambda item, n: item)
+                                   request_ids=[f"chunk{index}"], signature=lambda item, n: item,
+                                   span_cost=lambda r: 20 + r.item[0] * r.item[1])
             requests = [SpanRequest(content_hash=s.content_hash, span_len=s.span_len, item=s.grid)
                         for s in spans]
             with session.fence():

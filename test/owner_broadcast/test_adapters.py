@@ -84,9 +84,11 @@ def test_image_chunk_takes_the_owner_path(results):
         assert r["cached"] == [101, 202, 303]
         assert r["ids_in_vocab"] and r["image_ids"] == 8 + 4 + 8 + 6
     assert r0["digest"] == r1["digest"]
-    # Each distinct image once in the group, by its owner (hash mod 2); image
-    # 101 sits in both prompts and is still encoded once.
-    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+    # Each distinct image once in the group, by its owner, owners balanced by
+    # cost (4096 + patches): 101 (6x6), the costliest, alone on rank 0, then
+    # 303 (6x3) and 202 (3x3) on rank 1. Image 101 sits in both prompts and is
+    # still encoded once.
+    assert r0["encoded"] == [101] and r1["encoded"] == [202, 303]
 
 
 def test_stock_path_is_byte_identical_and_encodes_everywhere(results):
@@ -122,8 +124,9 @@ def test_partial_image_spans_in_a_chunk(results):
     assert r0["embeds_match"] and r1["embeds_match"] and r0["digest"] == r1["digest"]
     # tokens 5..15: the tail of image 101 (5..9) and the start of image 202 (14..15)
     assert r0["image_ids"] == 5 + 2
-    # whole spans are encoded and cached even when the chunk holds only part
-    assert r0["encoded"] + r1["encoded"] == [202, 101]
+    # whole spans are encoded and cached even when the chunk holds only part,
+    # each once, one per owner
+    assert r0["encoded"] == [101] and r1["encoded"] == [202]
     assert r0["cached"] == r1["cached"] == [101, 202]
 
 
@@ -142,7 +145,8 @@ def test_text_prompt_beside_an_image_prompt(results):
     r0, r1 = both(results, "mixed")
     assert r0["status"] == r1["status"] == "ok"
     assert r0["embeds_match"] and r0["digest"] == r1["digest"]
-    assert r0["encoded"] == [] and r1["encoded"] == [101, 303]
+    # the image request's two images, one per owner
+    assert r0["encoded"] == [101] and r1["encoded"] == [303]
 
 
 @pytest.mark.parametrize(
@@ -188,11 +192,11 @@ def test_first_chunk_of_each_route_is_logged_per_router(results):
     for log in results["_logs"]:
         firsts = [l.split("first chunk routed ")[1].split(" ")[0]
                   for l in log.splitlines() if "first chunk routed" in l]
-        # the "auto" model's router saw owner then known; the five one-image
-        # runs' routers (each its own model) saw not-worth (also the one whose
+        # the "auto" model's router saw owner then known; the seven one-image
+        # runs' routers (each its own model) saw not-worth (also the ones whose
         # chunk then failed: routing comes first); every "always" model one
         # owner chunk
-        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 5, firsts
+        assert firsts.count("'known'") == 1 and firsts.count("'not-worth'") == 7, firsts
         assert "'owner'" in firsts
 
 
@@ -207,7 +211,7 @@ def test_auto_routing_takes_the_protocol_when_it_saves_encoder_work(results):
         assert r["routes"] == {"owner": 1}
         assert r["all_reduce_max"] == 4 and r["broadcast"] == 2
         assert r["digest"] == owner0["digest"]
-    assert r0["encoded"] == [202] and r1["encoded"] == [101, 303]
+    assert r0["encoded"] == [101] and r1["encoded"] == [202, 303]
     # the group recorded the three spans, identically on both ranks
     assert r0["directory_spans"] == r1["directory_spans"] == 3
     assert r0["directory"] == r1["directory"]
@@ -284,3 +288,18 @@ def test_a_bad_routing_setting_stops_the_model_build(results):
     for r in both(results, "bad-env"):
         assert "SGLANG_DSV41_OWNER_BROADCAST='sometimes'" in r["mode"], r
         assert "SGLANG_DSV41_OWNER_MIN_SAVING='lots'" in r["saving"], r
+
+
+def test_the_default_mode_is_guarded(results):
+    # SGLANG_DSV41_OWNER_BROADCAST unset at model build: the one-image chunk
+    # that auto would run with no collective gets guarded's two status rounds
+    for r in both(results, "default-one-image"):
+        assert r["status"] == "ok" and r["embeds_match"], r
+        assert r["routes"] == {"not-worth": 1}
+        assert r["encoded"] == [404]
+        assert r["all_reduce_max"] == 2 and r["all_gather_object"] == 0 and r["broadcast"] == 0
+    # so an encoder failure on one rank is the same error on both
+    r0, r1 = both(results, "default-one-image-fails-on-1")
+    assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
+    assert r0["error"] == r1["error"]
+    assert "vision tower failed on 404" in r0["error"], r0

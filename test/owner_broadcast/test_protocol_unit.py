@@ -51,17 +51,47 @@ def test_plan_actions_and_owners():
         manifest(keys, [True, True, True, False]),  # rank 2
     ]
     plan = make_plan(manifests)
-    assert plan.owners == [owner_of(h, 3) for h, _ in keys] == [1, 2, 0, 1]
+    # every span some rank holds is sent from a holder's cache, never encoded
+    assert plan.owners == [0, 0, 2, 1]
     assert plan.actions == [
         Action.LOCAL_HIT,  # cached everywhere
-        Action.OWNER_CACHE_BROADCAST,  # owner 2 holds it, rank 1 does not
-        Action.OWNER_ENCODE_BROADCAST,  # owner 0 lacks it, though rank 2 has it
-        Action.OWNER_CACHE_BROADCAST,  # owner 1 holds it
+        Action.OWNER_CACHE_BROADCAST,  # ranks 0 and 2 hold it: the lower sends
+        Action.OWNER_CACHE_BROADCAST,  # only rank 2 holds it (hash mod 3 would make 0 encode it)
+        Action.OWNER_CACHE_BROADCAST,  # only rank 1 holds it
     ]
     assert plan.transfer_indices(1) == [3]
-    assert plan.transfer_indices(2) == [1]
-    assert plan.transfer_indices(0) == [2]
+    assert plan.transfer_indices(2) == [2]
+    assert plan.transfer_indices(0) == [1]
     assert plan.has_transfers()
+
+
+def test_plan_spreads_cold_spans_by_cost_longest_first():
+    # costs 9, 5, 4, 3, 3 over two ranks, nothing cached anywhere: 9 -> 0,
+    # 5 -> 1, 4 -> 1 (5 < 9), 3 -> 0 (work 9 each: rank 0 sends fewer
+    # spans), the last 3 -> 1 (9 < 12)
+    keys = [(40, 3), (41, 3), (42, 3), (43, 3), (44, 3)]
+    costs = [3, 9, 4, 5, 3]
+    manifests = [
+        Manifest(keys=[SpanManifestKey(h, n, (), cost) for (h, n), cost in zip(keys, costs)],
+                 cached=[False] * 5, dtype="torch.float32", width=WIDTH, request_ids=["r1"])
+    ] * 2
+    plan = make_plan(manifests)
+    assert plan.actions == [Action.OWNER_ENCODE_BROADCAST] * 5
+    assert plan.owners == [0, 0, 1, 1, 1]
+    # each owner encodes 12 patch-equivalents: hash mod 2 would give rank 0
+    # hashes 40, 42, 44 (10) and rank 1 41, 43 (14)
+    loads = [sum(c for c, o in zip(costs, plan.owners) if o == r) for r in (0, 1)]
+    assert loads == [12, 12]
+
+
+def test_ranks_that_estimate_costs_differently_disagree_on_the_manifest():
+    one = Manifest(keys=[SpanManifestKey(10, 3, (), 7)], cached=[False], dtype="torch.float32",
+                   width=WIDTH, request_ids=["r1"])
+    other = Manifest(keys=[SpanManifestKey(10, 3, (), 8)], cached=[False], dtype="torch.float32",
+                     width=WIDTH, request_ids=["r1"])
+    assert manifest_digest(one) != manifest_digest(other)
+    with pytest.raises(ValueError, match="keys"):
+        make_plan([one, other])
 
 
 def test_plan_without_transfers_when_everything_is_cached():
@@ -132,7 +162,7 @@ def test_manifest_digest_covers_everything_but_the_cache_flags():
     assert digest not in digests and len(digests) == len(changed)
 
 
-def test_owner_is_content_hash_modulo_group_size():
+def test_hash_mod_baseline_is_content_hash_modulo_group_size():
     assert [owner_of(h, 4) for h in (0, 5, 10, 2**64 - 1)] == [0, 1, 2, 3]
 
 

@@ -30,6 +30,7 @@ from sglang.srt.managers.schedule_batch import (  # noqa: E402
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
+from sglang_dsv41.core.owner_chunks import build_table  # noqa: E402
 from sglang_dsv41.core.owner_routing import (  # noqa: E402
     ChunkSpan,
     ItemMeta,
@@ -70,13 +71,15 @@ def one_rank_group(tmp_path_factory):
 def model(one_rank_group):
     mm_schedule.init_mm_embedding_cache(1 << 20)
     # Routing as for a group of two (a saving no chunk here reaches, so cold
-    # chunks route not-worth); the sessions run on the one-rank group.
+    # chunks route not-worth); the sessions run on the one-rank group. Mode
+    # auto: its stock encodes open no session (guarded: the last test).
     return SimpleNamespace(
         vision=object(),
         config=SimpleNamespace(hidden_size=4, vision_downsample_ratio=2),
         image_start=torch.zeros(4),
         mm_owner_group=one_rank_group,
-        mm_owner_router=OwnerRouter(2, RoutingPolicy(min_saving=10**9), SpanDirectory(0), row_bytes=4),
+        mm_owner_router=OwnerRouter(2, RoutingPolicy(mode="auto", min_saving=10**9), SpanDirectory(0),
+                                    row_bytes=4),
     )
 
 
@@ -203,7 +206,7 @@ def test_the_hooks_read_items_as_the_core_documents(data):
     items = data.draw(st.lists(st.builds(lambda: None) | st.composite(lambda draw: odd_item(draw))(),
                                max_size=5))
     mm = MultimodalInputs(mm_items=items, im_token_id=99)
-    table = owner_broadcast._build_table(mm, mm.mm_items)
+    table = build_table(mm, mm.mm_items)
     expected = RequestImages([reference_meta(item) for item in items
                               if item is not None and item.modality is Modality.IMAGE])
     fields = ("precomputed", "items", "spans", "all_keys", "max_start", "min_end", "known_epoch")

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_dsv41.core.owner_embedding import plan_spans
 from sglang_dsv41.core.owner_routing import (
     DEFAULT_MIN_SAVING,
     DEFAULT_PER_IMAGE_COST,
@@ -26,9 +27,11 @@ from sglang_dsv41.core.owner_routing import (
     Route,
     RoutingPolicy,
     SpanDirectory,
+    balanced_owners,
     chunk_spans,
     encoder_saving,
     gather_spans,
+    owner_loads,
 )
 
 
@@ -150,18 +153,19 @@ def test_directories_fed_the_same_history_are_equal():
 
 
 def test_policy_from_env_defaults_and_switches():
+    # unset, or switched on without a mode: guarded
     assert RoutingPolicy.from_env({}) == RoutingPolicy(
-        "auto", DEFAULT_PER_IMAGE_COST, DEFAULT_MIN_SAVING
-    )
+        "guarded", DEFAULT_PER_IMAGE_COST, DEFAULT_MIN_SAVING
+    ) == RoutingPolicy()
     for off in ("0", "off", "false", " NO "):
         assert RoutingPolicy.from_env({ENV_MODE: off}) is None
-    for auto in ("1", "on", "auto", "true"):
-        assert RoutingPolicy.from_env({ENV_MODE: auto}).mode == "auto"
+    for on in ("", " ", "1", "on", "true", "Guarded"):
+        assert RoutingPolicy.from_env({ENV_MODE: on}).mode == "guarded"
     assert RoutingPolicy.from_env({ENV_MODE: "always"}).mode == "always"
-    assert RoutingPolicy.from_env({ENV_MODE: "Guarded"}).mode == "guarded"
+    assert RoutingPolicy.from_env({ENV_MODE: "AUTO"}).mode == "auto"
     # guarded routes exactly as auto; only the stock encodes get a session
-    guarded = OwnerRouter(2, RoutingPolicy(mode="guarded"), SpanDirectory(0), 1)
-    assert guarded.guards_stock_encodes and not router().guards_stock_encodes
+    guarded = OwnerRouter(2, RoutingPolicy(), SpanDirectory(0), 1)
+    assert guarded.guards_stock_encodes and not router(mode="auto").guards_stock_encodes
     assert guarded.route([span(1, grid=(64, 64))]) is Route.NOT_WORTH
     policy = RoutingPolicy.from_env({ENV_PER_IMAGE_COST: "10", ENV_MIN_SAVING: "0"})
     assert (policy.per_image_cost, policy.min_saving) == (10, 0)
@@ -185,10 +189,13 @@ def test_policy_rejects_bad_values_naming_the_variable(env, named):
 
 
 def test_encoder_saving_counts_what_leaves_the_busiest_owner():
-    # hashes 0 and 1 land on different owners of two: one image's cost is saved
+    # two images on two owners: one image's cost is saved
     assert encoder_saving([span(0, grid=(4, 4)), span(1, grid=(4, 4))], 2, 100) == 116
-    # both on owner 0: nothing is saved
-    assert encoder_saving([span(0), span(2)], 2, 100) == 0
+    # hashes 0 and 2 (one owner under hash mod 2) are balanced over both ranks
+    assert encoder_saving([span(0, grid=(4, 4)), span(2, grid=(4, 4))], 2, 100) == 116
+    # a big and two small images: the big one alone, the small ones together
+    assert encoder_saving([span(1, grid=(2, 2)), span(2, grid=(10, 10)), span(3, grid=(2, 2))],
+                          2, 0) == 8
     # one image never saves anything
     assert encoder_saving([span(5, grid=(64, 64))], 8, 100) == 0
     assert encoder_saving([span(1), span(2)], 1, 100) == 0
@@ -433,3 +440,167 @@ def test_a_known_request_covers_every_item_s_key_not_only_the_first_per_hash():
     assert r.route_requests([request], [0], [15])[0] is Route.KNOWN
     route, spans = r.route_requests([request], [15], [15])
     assert spans == (ChunkSpan(1, 10, ()),) and route is not Route.KNOWN
+
+
+def test_the_owner_core_modules_import_no_sglang():
+    # The routing, the protocol and the reading of the engine's batch objects
+    # are plain modules: importing them must not pull sglang in.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import sglang_dsv41.core.owner_chunks, sglang_dsv41.core.owner_routing\n"
+        "import sglang_dsv41.core.owner_embedding\n"
+        "print(sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------------ balanced owners
+
+
+def plain_owners(costs, hashes, world, holders=None):
+    """The ownership rules written out with no sorting: repeatedly the
+    costliest cold span left (then lowest hash, then first) goes to the rank
+    with least work (then fewest spans sent, then lowest id); then each held
+    span, in order, to its holder by the same measure (sent by nobody when
+    every rank holds it)."""
+    owners = [0] * len(costs)
+    if world <= 1:
+        return owners
+    work, sent = [0] * world, [0] * world
+    left = [i for i in range(len(costs)) if not (holders and holders[i])]
+    while left:
+        pick = left[0]
+        for i in left[1:]:
+            a = (costs[i], -(hashes[i] if hashes[i] is not None else -1), -i)
+            b = (costs[pick], -(hashes[pick] if hashes[pick] is not None else -1), -pick)
+            if (hashes[i] is None) != (hashes[pick] is None):
+                better = hashes[pick] is None if costs[i] == costs[pick] else a > b
+            else:
+                better = a > b
+            if better:
+                pick = i
+        left.remove(pick)
+        rank = 0
+        for r in range(1, world):
+            if (work[r], sent[r]) < (work[rank], sent[rank]):
+                rank = r
+        owners[pick] = rank
+        work[rank] += costs[pick]
+        sent[rank] += 1
+    for i in range(len(costs)):
+        if holders and holders[i]:
+            rank = holders[i][0]
+            for r in holders[i][1:]:
+                if (work[r], sent[r], r) < (work[rank], sent[rank], rank):
+                    rank = r
+            owners[i] = rank
+            if len(holders[i]) < world:
+                sent[rank] += 1
+    return owners
+
+
+owner_case = st.integers(1, 9).flatmap(lambda world: st.tuples(
+    st.just(world),
+    st.lists(st.tuples(st.integers(0, 5000), st.sampled_from([None] + list(range(40))),
+                       st.sets(st.integers(0, world - 1))), max_size=40),
+))
+
+
+@settings(max_examples=400, deadline=None)
+@given(owner_case, st.booleans())
+def test_balanced_owners_follow_the_plain_rules(case, with_holders):
+    world, spans = case
+    costs = [cost for cost, _h, _held in spans]
+    hashes = [h for _c, h, _held in spans]
+    holders = [sorted(held) for _c, _h, held in spans] if with_holders else None
+    owners = balanced_owners(costs, hashes, world, holders)
+    assert owners == plain_owners(costs, hashes, world, holders)
+    assert all(0 <= owner < world for owner in owners)
+    if holders:
+        # a span some rank holds is sent by a holder, never encoded
+        assert all(owner in held for owner, held in zip(owners, holders) if held)
+    else:
+        # longest first: the busiest owner carries at most the ideal share
+        # plus one span
+        loads = owner_loads(costs, owners, world)
+        assert max(loads, default=0) <= sum(costs) / world + max(costs, default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.tuples(st.integers(0, 500), st.integers(0, 10**6)),
+                                   unique_by=lambda t: t[1], max_size=30), st.randoms())
+def test_balanced_owners_do_not_depend_on_the_order_of_distinct_spans(world, spans, rng):
+    costs, hashes = [c for c, _h in spans], [h for _c, h in spans]
+    owners = dict(zip(hashes, balanced_owners(costs, hashes, world)))
+    rng.shuffle(spans)
+    costs, hashes = [c for c, _h in spans], [h for _c, h in spans]
+    assert dict(zip(hashes, balanced_owners(costs, hashes, world))) == owners
+
+
+def test_balanced_owners_meet_the_share_goal_where_hash_mod_misses_it():
+    # 32 images of one size over 8 ranks: 4 each; hash mod 8 of these hashes
+    # piles 16 onto each of two ranks
+    hashes = [8 * i for i in range(16)] + [8 * i + 1 for i in range(16)]
+    owners = balanced_owners([100] * 32, hashes, 8)
+    assert sorted(owners.count(r) for r in range(8)) == [4] * 8
+    assert max([h % 8 for h in hashes].count(r) for r in range(8)) == 16
+
+
+class PlainDirectory:
+    """The span directory's rules written out: an LRU list by bytes."""
+
+    def __init__(self, capacity):
+        self.capacity, self.entries = capacity, OrderedDict()
+
+    def record(self, spans, row_bytes):
+        for s in spans:
+            if s in self.entries:
+                self.entries.move_to_end(s)
+            elif s.content_hash is not None and s.span_len * row_bytes <= self.capacity:
+                self.entries[s] = s.span_len * row_bytes
+        while sum(self.entries.values()) > self.capacity:
+            self.entries.popitem(last=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(20, 400), st.integers(0, 300), st.integers(0, 2000), st.randoms())
+def test_routes_and_owners_follow_the_plain_rules_over_evicting_histories(
+        world, capacity, per_image_cost, min_saving, rng):
+    """200 chunks from a pool of images that recur, through a small
+    directory that evicts: each route is the one the plain rules give (cold
+    spans from a plain LRU, saving from the plain ownership), and the owners
+    the protocol plans for a cold chunk (no rank holding its spans) are the
+    plain ones, so the routing's estimate is of the plan that runs."""
+    policy = RoutingPolicy(mode="guarded", per_image_cost=per_image_cost, min_saving=min_saving)
+    router = OwnerRouter(world, policy, SpanDirectory(capacity), row_bytes=1)
+    plain = PlainDirectory(capacity)
+    pool = [span(h, rng.randrange(1, 30), (rng.randrange(1, 40), rng.randrange(1, 40)))
+            for h in rng.sample(range(10**6), 40)]
+    for _ in range(200):
+        spans = list(dict.fromkeys(rng.choice(pool) for _ in range(rng.randrange(0, 9))))
+        cold = [s for s in spans if s not in plain.entries]
+        costs = [per_image_cost + s.patches for s in cold]
+        hashes = [s.content_hash for s in cold]
+        owners = plain_owners(costs, hashes, world)
+        work = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        if not spans:
+            expected = Route.NO_SPANS
+        elif not cold:
+            expected = Route.KNOWN
+        else:
+            expected = Route.OWNER if sum(costs) - max(work) >= min_saving else Route.NOT_WORTH
+        assert router.route(spans) is expected
+        if cold:
+            planned = plan_spans(hashes, [[False] * len(cold)] * world, costs)
+            assert planned.owners == owners
+        if expected is Route.KNOWN:
+            plain.record(spans, 1)  # a known chunk's lookups touch its spans
+        else:
+            router.completed(spans)
+            plain.record(spans, 1)
+        assert list(router.directory._entries) == list(plain.entries)

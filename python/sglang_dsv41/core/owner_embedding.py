@@ -3,9 +3,12 @@
 Under tensor parallelism (and under prefill context parallelism when the
 attention CP group is the whole TP group) every rank of a group prepares the
 same prefill chunk. Stock sglang runs the vision encoder for each image on each
-of those ranks. Here one owner rank per image span (content hash modulo the
-group size) encodes the span, or takes it from its embedding cache, and
-broadcasts it; the other ranks receive it.
+of those ranks. Here one owner rank per image span encodes the span, or takes
+it from its embedding cache, and broadcasts it; the other ranks receive it.
+Owners follow ``owner_routing.balanced_owners``: a span some rank holds valid
+in its cache is sent by such a rank, the others are spread over the ranks by
+encoder cost (longest first to the least loaded), from the manifest's costs
+and the agreed cache flags, so every rank computes the same owners.
 
 Distributed work is only safe when every rank enters the same collectives, so
 every step is guarded by an agreement. Agreements are cheap status rounds: one
@@ -110,7 +113,7 @@ from typing import (
 import msgspec
 import torch
 
-from sglang_dsv41.core.owner_routing import owner_of
+from sglang_dsv41.core.owner_routing import balanced_owners, owner_of  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +193,10 @@ class SpanManifestKey(msgspec.Struct, frozen=True, array_like=True):
     content_hash: int
     span_len: int
     geometry: Any
+    # Encoder cost estimate (the routing's units) from the span's metadata:
+    # the owners are balanced by it. Part of the digest, so ranks that would
+    # balance differently disagree on the manifest instead.
+    cost: int = 0
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -222,6 +229,10 @@ class Plan(msgspec.Struct, frozen=True):
 
     def has_transfers(self) -> bool:
         return any(action != Action.LOCAL_HIT for action in self.actions)
+
+
+def _token_count(request: SpanRequest) -> int:
+    return request.span_len
 
 
 class OwnerProtocolError(RuntimeError):
@@ -287,22 +298,28 @@ def manifest_digest(manifest: Manifest) -> int:
     return value % _DIGEST_MODULUS + 1
 
 
-def plan_spans(content_hashes: Sequence[int], cached_by_rank: Sequence[Sequence[bool]]) -> Plan:
+def plan_spans(
+    content_hashes: Sequence[int],
+    cached_by_rank: Sequence[Sequence[bool]],
+    costs: Optional[Sequence[int]] = None,
+) -> Plan:
     """The plan for spans every rank agrees on, from each rank's cache flags
-    (``cached_by_rank[rank][span]``)."""
+    (``cached_by_rank[rank][span]``) and the spans' encoder costs (None: all
+    equal). Owners: ``balanced_owners`` (a holder sends a span some rank
+    holds; the rest are spread by cost)."""
     world = len(cached_by_rank)
+    count = len(content_hashes)
+    holders = [[rank for rank in range(world) if cached_by_rank[rank][index]] for index in range(count)]
+    owners = balanced_owners([1] * count if costs is None else costs, content_hashes, world, holders)
     actions: List[int] = []
-    owners: List[int] = []
-    for index, content_hash in enumerate(content_hashes):
-        owner = owner_of(content_hash, world)
-        if all(cached[index] for cached in cached_by_rank):
+    for index in range(count):
+        if len(holders[index]) == world:
             action = Action.LOCAL_HIT
-        elif cached_by_rank[owner][index]:
+        elif holders[index]:
             action = Action.OWNER_CACHE_BROADCAST
         else:
             action = Action.OWNER_ENCODE_BROADCAST
         actions.append(int(action))
-        owners.append(owner)
     return Plan(actions=actions, owners=owners)
 
 
@@ -327,7 +344,9 @@ def make_plan(manifests: Sequence[Manifest]) -> Plan:
         if len(manifest.cached) != len(manifest.keys):
             raise ValueError(f"group rank {rank} sent a malformed manifest")
     return plan_spans(
-        [key.content_hash for key in lead.keys], [manifest.cached for manifest in manifests]
+        [key.content_hash for key in lead.keys],
+        [manifest.cached for manifest in manifests],
+        [key.cost for key in lead.keys],
     )
 
 
@@ -413,6 +432,8 @@ class OwnerSession:
       synchronize: waits for the device before a rank reports success.
       on_phase: called with each phase as it starts (a fault-injection seam
         for tests; None in production).
+      span_cost: a span request's encoder cost estimate, from its metadata
+        (the owners are balanced by it); default: its token count.
       local_encode: every rank encodes its own misses (stock sglang's
         replicated path) and the session only agrees status, before the text
         embedding and at the fence end: two small rounds, no manifest, no
@@ -435,8 +456,10 @@ class OwnerSession:
         synchronize: Callable[[torch.device], None] = _default_synchronize,
         on_phase: Optional[Callable[[Phase], None]] = None,
         local_encode: bool = False,
+        span_cost: Optional[Callable[["SpanRequest"], int]] = None,
     ):
         self.group = group
+        self.span_cost = _token_count if span_cost is None else span_cost
         self.device = torch.device(device)
         self.dtype = dtype
         self.width = int(width)
@@ -650,6 +673,7 @@ class OwnerSession:
                     content_hash=request.content_hash,
                     span_len=request.span_len,
                     geometry=geometry,
+                    cost=int(self.span_cost(request)),
                 )
             )
             span = self._valid_cached_span(cache, request)
@@ -824,7 +848,9 @@ class OwnerSession:
             return None
         cached = [bool(c) for c in manifest.cached]
         return plan_spans(
-            [key.content_hash for key in manifest.keys], [cached] * self.group.world_size
+            [key.content_hash for key in manifest.keys],
+            [cached] * self.group.world_size,
+            [key.cost for key in manifest.keys],
         )
 
     def _flags_round(self, manifest: Manifest) -> Plan:
@@ -840,7 +866,11 @@ class OwnerSession:
             [bool(v) for v in gathered[rank * spans : (rank + 1) * spans]]
             for rank in range(world)
         ]
-        return plan_spans([key.content_hash for key in manifest.keys], cached_by_rank)
+        return plan_spans(
+            [key.content_hash for key in manifest.keys],
+            cached_by_rank,
+            [key.cost for key in manifest.keys],
+        )
 
     def _plan_from_reports(
         self,
@@ -1037,3 +1067,55 @@ class TorchDistributedGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         self._dist.broadcast(tensor, src=self.ranks[src], group=self.tensor_group)
         return tensor
+
+
+class CoordinatorGroup:
+    """``OwnerGroup`` over a group coordinator shaped like sglang's
+    ``GroupCoordinator`` (``rank_in_group``, ``world_size``, ``ranks``,
+    ``device``, ``device_group``, ``all_gather_object``, ``broadcast``):
+    objects (only after a failure) go over its gloo CPU group; span
+    broadcasts over its device group (pynccl when enabled); status rounds are
+    a MAX all-reduce of a few int64 words on the device group (NCCL on GPUs),
+    next to the broadcasts' own communicator. The coordinator's own
+    ``all_reduce`` is not used for them: sglang's only sums, and routes
+    through custom all-reduce kernels sized for activations."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self._status_device = None
+
+    @property
+    def rank_in_group(self) -> int:
+        return self.coordinator.rank_in_group
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(self.coordinator.ranks)
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        return self.coordinator.all_gather_object(obj)
+
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        import torch.distributed as dist
+
+        coordinator = self.coordinator
+        if coordinator.world_size == 1:
+            return [int(v) for v in values]
+        if self._status_device is None:
+            backend = str(dist.get_backend(coordinator.device_group)).lower()
+            self._status_device = (
+                torch.device("cpu") if backend == "gloo" else torch.device(coordinator.device)
+            )
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self._status_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=coordinator.device_group)
+        return tensor.tolist()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.coordinator.broadcast(tensor, src=src)
+
+    def __repr__(self) -> str:
+        return f"CoordinatorGroup({self.coordinator.unique_name}, ranks={self.ranks})"

@@ -29,11 +29,15 @@ the span locally, exactly as stock sglang would: slower once, never a
 mismatch of collectives. Since every rank's cache sees the same operations in
 the same order, its peers usually do the same.
 
-Chunks routed to stock keep stock's failure semantics (in mode "guarded",
-``known`` chunks only): an error on one rank is that rank's error, not an
-agreed one; in sglang 0.5.23 that scheduler exits and the launcher takes the
-server down. ``RoutingPolicy(mode="always")`` sends every image chunk through
-the protocol instead.
+Mode "guarded" is the default. Its stock-routed chunks that encode (the
+``not-worth`` ones) get the status-only session above, so an encoder failure
+on one rank is the same error on every rank; its ``known`` chunks (local
+lookups, no encoder unless a rank lost a span) keep stock's failure
+semantics. Mode "auto" routes the same way without that session: an error on
+one rank in any stock-routed chunk is that rank's error, not an agreed one; in
+sglang 0.5.23 that scheduler exits and the launcher takes the server down.
+``RoutingPolicy(mode="always")`` sends every image chunk through the
+protocol instead.
 
 This module depends on msgspec only.
 """
@@ -361,13 +365,13 @@ class SpanDirectory:
 
 
 class RoutingPolicy(msgspec.Struct, frozen=True):
-    """``mode``: "auto" routes each chunk by the rules above; "guarded"
-    routes the same way and runs ``not-worth`` chunks in a status-only
-    session; "always" sends every chunk with an image span through the
-    protocol (the agreement guards every chunk, at its cost). Costs are in
-    patch-equivalents."""
+    """``mode``: "guarded" (the default) routes each chunk by the rules
+    above and runs ``not-worth`` chunks in a status-only session; "auto"
+    routes the same way without that session; "always" sends every chunk with
+    an image span through the protocol (the agreement guards every chunk, at
+    its cost). Costs are in patch-equivalents."""
 
-    mode: str = "auto"
+    mode: str = "guarded"
     per_image_cost: int = DEFAULT_PER_IMAGE_COST
     min_saving: int = DEFAULT_MIN_SAVING
 
@@ -384,9 +388,9 @@ class RoutingPolicy(msgspec.Struct, frozen=True):
         raw = environ.get(ENV_MODE, "").strip().lower()
         if raw in ("0", "false", "off", "no"):
             return None
-        if raw in ("", "1", "true", "on", "yes", "auto"):
-            mode = "auto"
-        elif raw in ("guarded", "always"):
+        if raw in ("", "1", "true", "on", "yes", "guarded"):
+            mode = "guarded"
+        elif raw in ("auto", "always"):
             mode = raw
         else:
             raise ValueError(f"{ENV_MODE}={environ[ENV_MODE]!r}: expected 0, 1, auto, guarded or always")
@@ -406,21 +410,76 @@ class RoutingPolicy(msgspec.Struct, frozen=True):
 
 
 def owner_of(content_hash: int, world_size: int) -> int:
-    """The group rank that encodes a span: the protocol's plan and the
-    routing's estimate of each owner's share both use this one rule."""
+    """Ownership by content hash mod group size: the first rule, kept as the
+    baseline the balanced rule is measured against."""
     return content_hash % world_size
+
+
+def balanced_owners(
+    costs: Sequence[int],
+    content_hashes: Sequence[Optional[int]],
+    world_size: int,
+    holders: Optional[Sequence[Sequence[int]]] = None,
+) -> List[int]:
+    """The group rank that provides each span, from what every rank holds
+    identically (the spans' costs and hashes, and, in the protocol's plan,
+    the agreed cache flags), so every rank computes the same owners.
+
+    Spans no rank holds (``holders[i]`` empty, or no ``holders``) are
+    encoded: longest first (cost descending, then content hash, then
+    position), each to the rank with the least encoder work so far, ties to
+    the rank with fewer spans sent, then the lower rank id. Spans some rank
+    holds cost no encode: each goes to the holder with the least work, then
+    fewest spans sent, then lowest id (spreading the broadcasts; a span every
+    rank holds is sent by nobody and counts for no one).
+    """
+    count = len(costs)
+    owners = [0] * count
+    if world_size <= 1:
+        return owners
+    loads = [0] * world_size
+    spans = [0] * world_size
+    ranks = range(world_size)
+    held = []
+    cold = []
+    for index in range(count):
+        if holders is not None and holders[index]:
+            held.append(index)
+        else:
+            content_hash = content_hashes[index]
+            cold.append((-costs[index], content_hash is None, content_hash or 0, index))
+    cold.sort()
+    for negative_cost, _hashless, _hash, index in cold:
+        rank = min(ranks, key=lambda r: (loads[r], spans[r], r))
+        owners[index] = rank
+        loads[rank] -= negative_cost
+        spans[rank] += 1
+    for index in held:
+        rank = min(holders[index], key=lambda r: (loads[r], spans[r], r))
+        owners[index] = rank
+        if len(holders[index]) < world_size:  # held everywhere: nothing is sent
+            spans[rank] += 1
+    return owners
+
+
+def owner_loads(costs: Sequence[int], owners: Sequence[int], world_size: int) -> List[int]:
+    """Each rank's encoder work under an assignment."""
+    loads = [0] * world_size
+    for cost, owner in zip(costs, owners):
+        loads[owner] += cost
+    return loads
 
 
 def encoder_saving(spans: Sequence[ChunkSpan], world_size: int, per_image_cost: int) -> int:
     """Encoder work (patch-equivalents) the owner path takes off the slowest
-    rank: every rank encoding all ``spans``, against the busiest owner
-    (owner = content hash mod group size) encoding its share."""
+    rank: every rank encoding all ``spans`` (cold: no rank holds them),
+    against the busiest owner of ``balanced_owners`` (the protocol's own
+    rule, with the same costs) encoding its share."""
     if world_size <= 1 or not spans:
         return 0
-    shares = [0] * world_size
-    for span in spans:
-        shares[owner_of(span.content_hash, world_size)] += per_image_cost + span.patches
-    return sum(shares) - max(shares)
+    costs = [per_image_cost + span.patches for span in spans]
+    owners = balanced_owners(costs, [span[0] for span in spans], world_size)
+    return sum(costs) - max(owner_loads(costs, owners, world_size))
 
 
 class OwnerRouter:
