@@ -165,12 +165,41 @@ def _rewrite_fingerprints(table_path: Path, items, call_name: str, key: str,
     return len(edits) // 2
 
 
+def _source_checkout_of(module_file: str) -> Path | None:
+    """The source checkout this package is imported from, or None for an installed copy.
+
+    ``fingerprint --update`` rewrites Python sources; doing that to a copy in
+    site-packages would silently change what the loader checks on that machine.
+    """
+    package_dir = Path(module_file).resolve().parent
+    pyproject = package_dir.parent / "pyproject.toml"
+    if "site-packages" in package_dir.parts or "dist-packages" in package_dir.parts:
+        return None
+    try:
+        declares_us = f'name = "{DISTRIBUTION_NAME}"' in pyproject.read_text()
+    except OSError:
+        return None
+    return package_dir.parent if declares_us else None
+
+
 def fingerprint_cmd(args) -> int:
     from sglang_dsv41 import pinned_internals
 
+    items = PATCHES + pinned_internals.INTERNALS
+    known = {item.id for item in items}
+    unknown = [i for i in args.ids if i not in known]
+    if unknown:
+        print(f"fingerprint: unknown id(s) {', '.join(unknown)}; known ids are the patch ids of "
+              "docs/PATCHES.md and the pinned internals' names", file=sys.stderr)
+        return 2
     if args.update:
         import sglang_dsv41.patch_table as table
 
+        if _source_checkout_of(table.__file__) is None:
+            print(f"fingerprint --update: refusing to rewrite {table.__file__}: it is not in a "
+                  "source checkout of this package (run it from the repository, "
+                  "`pip install -e ./python`)", file=sys.stderr)
+            return 2
         only = set(args.ids) or None
         n = _rewrite_fingerprints(Path(table.__file__), PATCHES, "Patch", "id", vars(table), only)
         m = _rewrite_fingerprints(Path(pinned_internals.__file__), pinned_internals.INTERNALS,
@@ -178,18 +207,33 @@ def fingerprint_cmd(args) -> int:
         print(f"rewrote fingerprints of {n} patches in {table.__file__} and of {m} internals "
               f"in {pinned_internals.__file__}")
         return 0
-    drift = 0
-    for item in PATCHES + pinned_internals.INTERNALS:
+    wanted = set(args.ids)
+    rows = []
+    for item in items:
+        if wanted and item.id not in wanted:
+            continue
+        row = {"id": item.id, "target": item.fingerprint_target,
+               "expected": {"ast_sha": item.ast_sha, "signature": item.signature}}
         try:
             got = fp.fingerprint_of(item)
         except fp.TargetNotFound as exc:
-            print(f"{item.id}: MISSING {exc}")
-            drift += 1
-            continue
-        same = got.signature == item.signature and got.ast_sha == item.ast_sha
-        drift += not same
-        print(f"{item.id}: {'same' if same else 'DRIFT'} {item.fingerprint_target} "
-              f"{got.ast_sha} {got.signature}")
+            row.update(verdict="MISSING", found=None, reason=str(exc))
+        else:
+            same = got.signature == item.signature and got.ast_sha == item.ast_sha
+            row.update(verdict="same" if same else "DRIFT",
+                       found={"ast_sha": got.ast_sha, "signature": got.signature})
+        rows.append(row)
+    drift = sum(r["verdict"] != "same" for r in rows)
+    if args.json:
+        print(json.dumps({"sglang": fp.installed_version("sglang"), "drifted": drift,
+                          "targets": rows}, indent=2))
+    else:
+        for r in rows:
+            if r["found"] is None:
+                print(f"{r['id']}: MISSING {r['reason']}")
+            else:
+                print(f"{r['id']}: {r['verdict']} {r['target']} "
+                      f"{r['found']['ast_sha']} {r['found']['signature']}")
     return 1 if drift else 0
 
 
@@ -224,7 +268,9 @@ def main(argv=None) -> int:
     f = sub.add_parser("fingerprint", help="compare (or --update) the table's upstream fingerprints")
     f.add_argument("--update", action="store_true",
                    help="rewrite the literals in patch_table.py (all, or only the given ids)")
-    f.add_argument("ids", nargs="*", metavar="PATCH_ID")
+    f.add_argument("ids", nargs="*", metavar="PATCH_ID",
+                   help="only these patches or pinned internals (default: all)")
+    f.add_argument("--json", action="store_true", help="the comparison as JSON")
     d = sub.add_parser("patches-doc", help="render docs/PATCHES.md from the patch table")
     d.add_argument("--write", metavar="PATH")
     pl = sub.add_parser("plan", help="check docker compose topologies offline")
