@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def add_arguments(parser) -> None:
                              "COMPOSE_PROFILES, else only services without profiles")
     parser.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="N",
                         help="GPUs of one node (default 8); GPU ids from N up are errors")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (servers, routers, masters, problems, exit code) "
+                             "instead of text; progress still goes to stderr")
     parser.add_argument("--host-memory-gb", type=_positive_float, default=None, metavar="GB",
                         help="host memory of one node: check Mooncake segments and hierarchical-cache host "
                              "pools against it")
@@ -99,7 +103,73 @@ def run(args) -> int:
         print("plan: give compose files, or --from-compose-config FILE (- for stdin)")
         return 2
     return main(args.compose_files, profiles=args.profile, compose_configs=args.from_compose_config,
-                options=PlanOptions(gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb))
+                options=PlanOptions(gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb),
+                as_json=args.json)
+
+
+class _Output:
+    """Where plan's findings go: printed as they come (text) or gathered into one
+    JSON document printed at the end. Both read the same Plan and problems."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.notes: list[str] = []
+        self.error: str | None = None
+        self.plan: Plan | None = None
+        self.problems: list[Problem] = []
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        if not self.as_json:
+            print(f"plan: {text}")
+
+    def fail(self, text: str, code: int) -> int:
+        self.error = text
+        if not self.as_json:
+            print(f"plan: {text}")
+        return code
+
+    def report(self, plan: Plan | None, problems: list[Problem], note: str = "") -> int:
+        self.plan, self.problems = plan, problems
+        if self.as_json:
+            return 1 if problems else 0
+        if plan is not None:
+            _print_layouts(plan)
+        if problems:
+            return _report(problems, note)
+        print(f"\nplan: OK ({len(plan.servers)} sglang servers, {len(plan.routers)} routers, "
+              f"{len(plan.masters)} Mooncake masters)")
+        return 0
+
+    def emit(self, inputs: list[str], code: int) -> None:
+        plan = self.plan
+        document = {
+            "inputs": inputs,
+            "exit_code": code,
+            "verdict": {0: "ok", 1: "problems"}.get(code, "error"),
+            "error": self.error,
+            "notes": self.notes,
+            "servers": [_server_record(s) for s in plan.servers] if plan else [],
+            "routers": [{"service": r.service.label, "host": r.service.host, "port": r.port,
+                         "pd": r.pd, "prefill": [{"url": u, "bootstrap_port": b} for u, b in r.prefill],
+                         "decode": list(r.decode), "workers": list(r.workers)}
+                        for r in plan.routers] if plan else [],
+            "masters": [{"service": m.service.label, "host": m.service.host, "rpc_port": m.rpc_port}
+                        for m in plan.masters] if plan else [],
+            "problems": [{"service": p.service, "reason": p.reason} for p in self.problems],
+        }
+        print(json.dumps(document, indent=2))
+
+
+def _server_record(server: PlannedServer) -> dict:
+    import dataclasses
+
+    gpus, _ = used_gpus(server)
+    label = server.service.label
+    return {"service": label, "host": server.service.host, "gpus": list(gpus),
+            "layout": dataclasses.asdict(server.layout),
+            "prefill_cuda_graph": _prefill_graphs.get(label),
+            "launch_guard": _guard_decisions.get(label)}
 
 
 def read_projects(compose_files: list[str], profiles: list[str] | None = None,
@@ -128,20 +198,28 @@ def _guarded(source: str, read):
 
 
 def main(compose_files: list[str], *, profiles: list[str] | None = None, compose_configs: list[str] = (),
-         options: PlanOptions | None = None) -> int:
-    options = options or PlanOptions()
+         options: PlanOptions | None = None, as_json: bool = False) -> int:
+    out = _Output(as_json)
+    code = _plan(out, compose_files, profiles, compose_configs, options or PlanOptions())
+    if as_json:
+        out.emit(list(compose_files) + list(compose_configs), code)
+    return code
+
+
+def _plan(out: _Output, compose_files: list[str], profiles, compose_configs, options: PlanOptions) -> int:
     try:
         projects = read_projects(compose_files, profiles, compose_configs)
     except ComposeError as exc:
-        print(f"plan: cannot read {exc}")
-        return 2
+        return out.fail(f"cannot read {exc}", 2)
     for project in projects:
         env_file = project.env_file
         if env_file is not None and env_file.name != ".env":
-            print(f"plan: {project.compose_file.name}: no .env beside it; variables come from {env_file.name}")
+            out.note(f"WARNING {project.compose_file.name}: no .env beside it; every variable not set in "
+                     f"this shell comes from {env_file.name} (placeholder values: IMAGE, MODEL_PATH, ...); "
+                     "copy it to .env and set them before deploying")
         if project.inactive:
-            print(f"plan: {project.compose_file.name}: skipping services of inactive profiles: "
-                  + ", ".join(f"{name} ({', '.join(p)})" for name, p in project.inactive.items()))
+            out.note(f"{project.compose_file.name}: skipping services of inactive profiles: "
+                     + ", ".join(f"{name} ({', '.join(p)})" for name, p in project.inactive.items()))
     services = [s for project in projects for s in project.services]
     inputs = ", ".join(list(compose_files) + list(compose_configs))
 
@@ -151,10 +229,9 @@ def main(compose_files: list[str], *, profiles: list[str] | None = None, compose
     problems: list[Problem] = list(classified.problems)
     problems += check_projects(projects, services, options)
     if not classified.servers and not problems:
-        print("plan: no `sglang serve` service found in " + inputs)
-        return 1
+        return out.fail("no `sglang serve` service found in " + inputs, 1)
     if problems:
-        return _report(problems, "before resolving any server; fix these first")
+        return out.report(None, problems, "before resolving any server; fix these first")
 
     plan = Plan()
     servers = classified.servers
@@ -169,12 +246,14 @@ def main(compose_files: list[str], *, profiles: list[str] | None = None, compose
         except ValueError as exc:
             problems.append(Problem(service.label, f"cannot read the mooncake_master flags: {exc}"))
 
+    # Importing sglang takes tens of seconds; say so instead of sitting silent.
+    print(f"plan: loading sglang to resolve {len(servers)} sglang server(s) with its own argument "
+          "parser (this takes a minute)...", file=sys.stderr, flush=True)
     try:
         with _tiny_checkpoint() as checkpoint:
             inactive = _load_plugins()
             if inactive:
-                print(f"plan: {inactive}")
-                return 2
+                return out.fail(inactive, 2)
             for service, args in servers:
                 try:
                     layout = resolve_layout(service, args, checkpoint)
@@ -184,17 +263,11 @@ def main(compose_files: list[str], *, profiles: list[str] | None = None, compose
                     continue
                 plan.servers.append(PlannedServer(service, layout))
     except Exception as exc:  # sglang itself failed to load: one line, not a traceback
-        print(f"plan: cannot run sglang's resolution here ({type(exc).__name__}: "
-              + " ".join(str(exc).split())[:300] + ")")
-        return 2
+        return out.fail(f"cannot run sglang's resolution here ({type(exc).__name__}: "
+                        + " ".join(str(exc).split())[:300] + ")", 2)
 
     problems += check_plan(plan, services, options)
-    _print_layouts(plan)
-    if problems:
-        return _report(problems)
-    print(f"\nplan: OK ({len(plan.servers)} sglang servers, {len(plan.routers)} routers, "
-          f"{len(plan.masters)} Mooncake masters)")
-    return 0
+    return out.report(plan, problems)
 
 
 def _report(problems: list[Problem], note: str = "") -> int:
@@ -241,10 +314,16 @@ def _load_plugins() -> str | None:
     if not _plugins_loaded:
         # Importing sglang already resolves the platform from SGLANG_PLATFORM.
         saved = {k: os.environ.pop(k) for k in _PLUGIN_FILTERS if k in os.environ}
+        noise = io.StringIO()
         try:
-            from sglang.srt.plugins import load_plugins
+            # sglang's import prints platform warnings meant for a GPU host; keep
+            # them out of plan's report (and out of --json's stdout).
+            with warnings.catch_warnings(), contextlib.redirect_stdout(noise), \
+                    contextlib.redirect_stderr(noise):
+                warnings.simplefilter("ignore")
+                from sglang.srt.plugins import load_plugins
 
-            load_plugins()
+                load_plugins()
         finally:
             os.environ.update(saved)
         _plugins_loaded = True

@@ -179,7 +179,7 @@ def test_alternative_topologies_together_collide_on_gpus_and_port(results):
     result = results["together:tp+cp"]
     assert result["rc"] == 1
     errors = _errors(result["output"])
-    assert any(re.match(r"cp\.yml/sglang: GPU 0 is also used by tp\.yml/sglang", e) for e in errors), errors
+    assert any(re.match(r"cp\.yml/sglang: GPUs 0,1,2,3 are also used by tp\.yml/sglang", e) for e in errors), errors
     assert any("port 30000 (HTTP (--port)) is also bound by tp.yml/sglang" in e for e in errors), errors
 
 
@@ -215,8 +215,7 @@ def test_shell_wrapped_server_is_followed_and_checked(results):
     assert result["rc"] == 1, result["output"]
     assert "shell-wrapped-overlap.yml/wrapped [host local] port 30020, GPUs 0,1" in result["output"]
     assert _errors(result["output"]) == [
-        "shell-wrapped-overlap.yml/wrapped: GPU 0 is also used by shell-wrapped-overlap.yml/plain (host local)",
-        "shell-wrapped-overlap.yml/wrapped: GPU 1 is also used by shell-wrapped-overlap.yml/plain (host local)",
+        "shell-wrapped-overlap.yml/wrapped: GPUs 0,1 are also used by shell-wrapped-overlap.yml/plain (host local)",
     ]
 
 

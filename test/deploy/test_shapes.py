@@ -264,7 +264,7 @@ def test_two_l3_deployments_share_one_master(results):
 def test_two_l3_deployments_on_the_same_gpus_collide(results):
     output = results["two-l3-colliding"]["output"]
     assert results["two-l3-colliding"]["rc"] == 1
-    assert "GPU 0 is also used by" in output and "port 30000" in output, output
+    assert "GPUs 0,1,2,3 are also used by" in output and "port 30000" in output, output
 
 
 def test_l3_file_alone_has_no_master(results):

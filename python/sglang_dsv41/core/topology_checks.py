@@ -275,6 +275,7 @@ def used_gpus(server: PlannedServer) -> tuple[tuple[str, ...] | None, str | None
 
 
 def check_gpus(plan: Plan) -> list[Problem]:
+    """One problem per pair of services sharing GPUs of a host, naming every shared GPU."""
     problems = []
     owner: dict[tuple[str, str], str] = {}
     for server in plan.servers:
@@ -282,13 +283,17 @@ def check_gpus(plan: Plan) -> list[Problem]:
         if reason:
             problems.append(Problem(server.service.label, reason))
             continue
+        shared: dict[str, list[str]] = {}
         for gpu in gpus:
             key = (server.service.host, gpu)
             if key in owner:
-                problems.append(Problem(server.service.label,
-                                        f"GPU {gpu} is also used by {owner[key]} (host {server.service.host})"))
+                shared.setdefault(owner[key], []).append(gpu)
             else:
                 owner[key] = server.service.label
+        for other, overlap in shared.items():
+            which = f"GPU {overlap[0]} is" if len(overlap) == 1 else f"GPUs {','.join(overlap)} are"
+            problems.append(Problem(server.service.label,
+                                    f"{which} also used by {other} (host {server.service.host})"))
     return problems
 
 
