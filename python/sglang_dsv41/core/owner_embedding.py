@@ -456,6 +456,9 @@ class OwnerSession:
         # The text embedding ran without a collective: the fence end also
         # agrees that the features were ready.
         self._text_embedded_locally = False
+        # Spans this rank lacked and took from a peer's broadcast instead of
+        # encoding them: encodes the owner path saved on this rank.
+        self.spans_received = 0
 
     # -- public protocol steps -------------------------------------------
 
@@ -614,8 +617,11 @@ class OwnerSession:
             spans = torch.split(payloads[owner], [requests[i].span_len for i in indices])
             received.extend(zip(indices, spans))
         # Only complete spans reach the cache, and only after every broadcast.
+        me = self.group.rank_in_group
         for index, span in received:
             request = requests[index]
+            if plan.owners[index] != me and request.key not in features:
+                self.spans_received += 1  # neither cached here nor encoded here
             features[request.key] = span
             cache.set(request.content_hash, span)
         return features

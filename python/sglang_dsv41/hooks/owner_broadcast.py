@@ -31,7 +31,9 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.owner_embedding import (
+    OwnerProtocolError,
     OwnerSession,
     SpanRequest,
     select_owner_group_kind,
@@ -68,6 +70,8 @@ _active_chunk: ContextVar[Optional[ChunkRoute]] = ContextVar(
 )
 _decision_logged = False
 _KNOWN = Route.KNOWN  # a module global: one lookup on every chunk
+_count_route = plugin_metrics.count_owner_route
+_count_round = plugin_metrics.count_agreement_round
 _fallback_warned = False
 
 
@@ -101,11 +105,13 @@ class CoordinatorGroup:
         return list(self.coordinator.ranks)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
+        _count_round()  # the protocol gathers only to agree (reports, after a failure)
         return self.coordinator.all_gather_object(obj)
 
     def all_reduce_max(self, values: Sequence[int]) -> List[int]:
         import torch.distributed as dist
 
+        _count_round()
         coordinator = self.coordinator
         if coordinator.world_size == 1:
             return [int(v) for v in values]
@@ -462,6 +468,7 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         route, spans = router.route_requests(
             tables, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
         )
+    _count_route(route)
     if router.routes[route] == 1 and route is not Route.NO_SPANS:
         # Once per route and router: which paths this deployment actually takes.
         logger.info(
@@ -517,6 +524,9 @@ def around_prepare_language_model_inputs(original, model, input_ids, forward_bat
         else:
             with chunk.session.fence():
                 result = original(model, input_ids, forward_batch, *args, **kwargs)
+    except OwnerProtocolError:  # the same error on every rank of the group
+        plugin_metrics.count_agreement_failure()
+        raise
     finally:
         _active_chunk.reset(token)
     if chunk.spans:
@@ -683,11 +693,13 @@ def around_batch_encode_per_image_misses(original, data_embedding_func, per_imag
     chunk = _active_chunk.get()
     session = None if chunk is None else chunk.session
     if session is not None and session.engaged and not session.local_encode:
-        return session.resolve(
+        features = session.resolve(
             collect_span_requests(per_image_requests),
             StaticCacheAdapter(),
             owner_encoder(data_embedding_func, device),
         )
+        plugin_metrics.count_encodes_saved(session.spans_received)
+        return features
     if chunk is not None and chunk.route is Route.NO_SPANS and not _fallback_warned:
         # The metadata mirror said no span; encoding locally on every rank is
         # what stock sglang does and needs no collective, so it stays safe.
