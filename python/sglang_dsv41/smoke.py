@@ -117,7 +117,8 @@ def compose_endpoints(path: str, host: str) -> list[Endpoint]:
     try:
         services, _env = load_services(path)
     except (ComposeError, OSError, ValueError) as exc:
-        raise SmokeInputError(f"{path}: {exc}") from None
+        text = " ".join(str(exc).split())  # YAML errors span several lines
+        raise SmokeInputError(text if path in text else f"{path}: {text}") from None
     endpoints = []
     for service in services:
         serve = sglang_serve_args(service.argv)
