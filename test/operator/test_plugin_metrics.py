@@ -201,3 +201,15 @@ def test_the_plugin_in_a_real_scheduler_role_reports_its_patches(tmp_path):
     assert f'sglang_dsv41_patches_applied{{role="scheduler"}} {float(owed)}' in lines
     assert f'sglang_dsv41_patches_owed{{role="scheduler"}} {float(owed)}' in lines
     assert 'sglang_dsv41_processes_verified_total{role="scheduler"} 1.0' in lines
+
+
+def test_docs_metrics_is_generated_from_the_series():
+    from conftest import REPO_ROOT
+    from sglang_dsv41.core.plugin_metrics import SERIES, render_markdown
+
+    text = (REPO_ROOT / "docs" / "METRICS.md").read_text()
+    assert text == render_markdown(), (
+        "docs/METRICS.md is stale: PYTHONPATH=python python -m "
+        "sglang_dsv41.core.plugin_metrics > docs/METRICS.md")
+    for series in SERIES:
+        assert series.exported_name.startswith("sglang_dsv41_") and series.exported_name in text

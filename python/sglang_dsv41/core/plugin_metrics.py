@@ -50,22 +50,26 @@ class Series:
     kind: str  # "counter" or "gauge"
     label: Optional[str]
     help: str
+    label_values: str = ""  # for the documentation
 
     @property
     def exported_name(self) -> str:
         return PREFIX + self.name + ("_total" if self.kind == "counter" else "")
 
 
+_ROLES = "launcher, scheduler, tokenizer_worker, detokenizer, dp_controller"
+
 SERIES: Tuple[Series, ...] = (
     Series("patches_applied", "gauge", "role",
-           "Patches of the plugin verified installed in a process of this role."),
+           "Patches of the plugin verified installed in a process of this role.", _ROLES),
     Series("patches_owed", "gauge", "role",
-           "Patches the plugin owes to a process of this role."),
+           "Patches the plugin owes to a process of this role.", _ROLES),
     Series("processes_verified", "counter", "role",
-           "Processes of this role that verified their patches (started with the plugin active)."),
+           "Processes of this role that verified their patches (started with the plugin active).",
+           _ROLES),
     Series("owner_routes", "counter", "route",
            "Image chunks routed by the owner-broadcast routing, per route, summed over the "
-           "ranks of each replicating group."),
+           "ranks of each replicating group.", "no-spans, known, not-worth, owner"),
     Series("owner_encodes_saved", "counter", None,
            "Image spans a rank took from a peer's broadcast instead of encoding them itself."),
     Series("owner_agreement_rounds", "counter", None,
@@ -75,16 +79,18 @@ SERIES: Tuple[Series, ...] = (
            "Owner-broadcast sessions that ended in an error agreed by the whole group."),
     Series("side_channel_bytes", "counter", "direction",
            "Host-block bytes on the Mooncake NVLink side channel: sent (prefill) or "
-           "written (decode)."),
+           "written (decode).", "sent, written"),
     Series("side_channel_blocks", "counter", "direction",
-           "Host blocks on the Mooncake NVLink side channel: sent (prefill) or written (decode)."),
+           "Host blocks on the Mooncake NVLink side channel: sent (prefill) or written (decode).",
+           "sent, written"),
     Series("side_channel_drops", "counter", "direction",
            "Host-block transfers not delivered (send) or messages dropped by the receiver "
-           "(receive)."),
+           "(receive).", "send, receive"),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
     Series("launch_guards_applied", "counter", "rule",
-           "Launch guards that changed or refused a server's arguments, per rule."),
+           "Launch guards that changed or refused a server's arguments, per rule.",
+           "the guard's rule name"),
 )
 BY_NAME: Dict[str, Series] = {s.name: s for s in SERIES}
 
@@ -345,3 +351,33 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(flush)
+
+
+def render_markdown() -> str:
+    """docs/METRICS.md, from ``SERIES`` (a test keeps the file equal to this)."""
+    lines = [
+        "# Plugin metrics",
+        "",
+        "<!-- Generated: PYTHONPATH=python python -m sglang_dsv41.core.plugin_metrics "
+        "> docs/METRICS.md -->",
+        "",
+        "With `--enable-metrics` (the shipped topologies turn it on) every process of a",
+        "server exports these series through sglang's own `/metrics`, next to sglang's",
+        "`sglang:*` series. Counters are summed over the server's processes (ranks);",
+        "the two gauges show one process of each role. Without `--enable-metrics`",
+        "nothing is exported and the counting calls return at once.",
+        "",
+        "`sglang-dsv41 smoke` reads `sglang_dsv41_patches_applied` and",
+        "`sglang_dsv41_patches_owed` to tell that the plugin is active.",
+        "",
+        "| series | type | label | meaning |",
+        "|---|---|---|---|",
+    ]
+    for series in SERIES:
+        label = f"`{series.label}`: {series.label_values}" if series.label else ""
+        lines.append(f"| `{series.exported_name}` | {series.kind} | {label} | {series.help} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
