@@ -32,8 +32,10 @@ imported_early = "prometheus_client" in sys.modules
 m.count_launch_guard("dp-dspark-replay")          # before the decision: kept
 decided = m.configure({enabled})
 m.role_verified("scheduler", 9, 9)
-for route in (Route.KNOWN, Route.KNOWN, Route.OWNER, "not-worth"):
-    m.count_owner_route(route)
+routes = {{route: 0 for route in Route}}  # as an owner router keeps them
+m.export_route_counts(routes)
+for route in (Route.KNOWN, Route.KNOWN, Route.OWNER, Route.NOT_WORTH):
+    routes[route] += 1
 for _ in range(3):
     m.count_agreement_round()
 m.count_encodes_saved(2)
@@ -156,12 +158,12 @@ def test_counts_from_many_threads_are_exact(tmp_path):
         def worker():
             for _ in range(20000):
                 m.count_side_channel("sent", 1, 10)
-                m.count_owner_route("known")
+                m.count_agreement_round()
         threads = [threading.Thread(target=worker) for _ in range(4)]
         for t in threads: t.start()
         for t in threads: t.join()
         t = m.totals()
-        print(t["side_channel_blocks"]["sent"], t["side_channel_bytes"]["sent"], t["owner_routes"]["known"])
+        print(t["side_channel_blocks"]["sent"], t["side_channel_bytes"]["sent"], t["owner_agreement_rounds"][""])
     """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["80000", "800000", "80000"]

@@ -99,10 +99,9 @@ BY_NAME: Dict[str, Series] = {s.name: s for s in SERIES}
 # ones go to ``_shared`` under a lock. Totals only grow; the flusher exports the
 # difference to what it exported before.
 class _Tally:
-    __slots__ = ("routes", "rounds", "saved", "sc_blocks", "sc_bytes")
+    __slots__ = ("rounds", "saved", "sc_blocks", "sc_bytes")
 
     def __init__(self):
-        self.routes: Dict[str, int] = {}
         self.rounds = 0
         self.saved = 0
         self.sc_blocks: Dict[str, int] = {}
@@ -111,6 +110,9 @@ class _Tally:
 
 _local = threading.local()
 _tallies: list = []  # every thread's tally, for the flusher
+# Per-route chunk counts the owner routers keep anyway (route -> chunks), read
+# by the flusher: routing, which runs on every image chunk, pays nothing more.
+_route_counts: list = []
 _shared: Dict[str, Dict[str, float]] = {s.name: {} for s in SERIES}
 _gauges: Dict[str, Dict[str, float]] = {s.name: {} for s in SERIES if s.kind == "gauge"}
 _exported: Dict[Tuple[str, str], float] = {}
@@ -135,14 +137,13 @@ def _new_tally() -> _Tally:
 # Increments (hot paths first)
 
 
-def count_owner_route(route) -> None:
-    """One image chunk routed ``route`` (a ``Route`` or its string value)."""
+def export_route_counts(counts: Dict) -> None:
+    """Export an owner router's own per-route chunk counts (a dict it keeps
+    incrementing, keyed by ``Route`` or its string value) as
+    ``owner_routes``. Called once per router, when the model builds it."""
     if _counting:
-        try:
-            routes = _local.tally.routes
-        except AttributeError:
-            routes = _new_tally().routes
-        routes[route] = routes.get(route, 0) + 1
+        with _lock:
+            _route_counts.append(counts)
 
 
 def count_agreement_round() -> None:
@@ -215,10 +216,16 @@ def totals() -> Dict[str, Dict[str, float]]:
     """This process's counts so far, per series and label ("" for none)."""
     with _lock:
         tallies = list(_tallies)
+        route_counts = list(_route_counts)
         out = {name: dict(per) for name, per in _shared.items()}
+    for counts in route_counts:
+        into = out["owner_routes"]
+        for route, value in dict(counts).items():
+            if value:
+                label = getattr(route, "value", route)
+                into[label] = into.get(label, 0) + value
     for tally in tallies:
-        for name, per in (("owner_routes", dict(tally.routes)),
-                          ("side_channel_blocks", dict(tally.sc_blocks)),
+        for name, per in (("side_channel_blocks", dict(tally.sc_blocks)),
                           ("side_channel_bytes", dict(tally.sc_bytes)),
                           ("owner_agreement_rounds", {"": tally.rounds}),
                           ("owner_encodes_saved", {"": tally.saved})):
@@ -268,6 +275,7 @@ def configure(enabled: bool, environ: Optional[Mapping[str, str]] = None) -> boo
             for per in _gauges.values():
                 per.clear()
             _tallies.clear()
+            _route_counts.clear()
     if enabled:
         _start_flusher()
         flush()

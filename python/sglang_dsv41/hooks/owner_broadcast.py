@@ -70,7 +70,6 @@ _active_chunk: ContextVar[Optional[ChunkRoute]] = ContextVar(
 )
 _decision_logged = False
 _KNOWN = Route.KNOWN  # a module global: one lookup on every chunk
-_count_route = plugin_metrics.count_owner_route
 _count_round = plugin_metrics.count_agreement_round
 _fallback_warned = False
 
@@ -262,6 +261,8 @@ def attach_owner_path(model) -> None:
         policy = RoutingPolicy.from_env(os.environ)
         row_bytes = model.config.hidden_size * model.image_start.element_size()
         model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
+        # The router counts its routes per chunk anyway; the metrics read those counts.
+        plugin_metrics.export_route_counts(model.mm_owner_router.routes)
         # A PD decode server never embeds images in its batches: its
         # admissions build no tables (a chunk that ever needed one builds it).
         if not on_decode_server():
@@ -468,7 +469,6 @@ def route_chunk(model, forward_batch) -> Optional[ChunkRoute]:
         route, spans = router.route_requests(
             tables, forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
         )
-    _count_route(route)
     if router.routes[route] == 1 and route is not Route.NO_SPANS:
         # Once per route and router: which paths this deployment actually takes.
         logger.info(
