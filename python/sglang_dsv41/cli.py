@@ -1,4 +1,4 @@
-"""``sglang-dsv41``: doctor, fingerprint, patches-doc, plan, upgrade-check."""
+"""``sglang-dsv41``: doctor, fingerprint, patches-doc, plan, smoke, upgrade-check."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ast
 import json
 import os
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sglang_dsv41 import checks
@@ -98,22 +99,49 @@ def _foreign_hook_findings() -> list[tuple[str, str]]:
     return findings
 
 
-def doctor(_args) -> int:
-    failed = False
+@dataclass(frozen=True)
+class Finding:
+    """One line of ``doctor``: the same record behind its text and its JSON."""
+
+    check: str  # sglang-pin | patch | internal | entry-point | plugin-filter | platform-filter | foreign-plugin
+    status: str  # ok | fail | warn
+    message: str
+    patch_id: str | None = None
+    target: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        return {"ok": OK, "fail": BAD, "warn": WARN}[self.status]
+
+
+_STATUS_OF = {OK: "ok", BAD: "fail", WARN: "warn"}
+
+
+def _check_of(text: str) -> str:
+    if text.startswith("SGLANG_PLUGINS"):
+        return "plugin-filter"
+    if text.startswith("SGLANG_PLATFORM"):
+        return "platform-filter"
+    if "entry point" in text:
+        return "entry-point"
+    return "foreign-plugin"
+
+
+def doctor_findings() -> list[Finding]:
     found = fp.installed_version("sglang")
     pin = checks.version_problem()
-    if pin:
-        _line(BAD, str(pin))
-        failed = True
-    else:
-        _line(OK, f"sglang {found} matches the pin sglang=={PINNED_SGLANG_VERSION}")
+    findings = [
+        Finding("sglang-pin", "fail", str(pin)) if pin else
+        Finding("sglang-pin", "ok", f"sglang {found} matches the pin sglang=={PINNED_SGLANG_VERSION}")
+    ]
     for patch in PATCHES:
         problems = checks.patch_problems(patch)
         if problems:
-            failed = True
-            _line(BAD, f"{patch.id:<14} {patch.target}: " + "; ".join(p.message for p in problems))
+            findings.append(Finding("patch", "fail", f"{patch.id:<14} {patch.target}: "
+                                    + "; ".join(p.message for p in problems), patch.id, patch.target))
         else:
-            _line(OK, f"{patch.id:<14} {patch.kind.value:<13} {patch.target} fingerprint {patch.ast_sha}")
+            findings.append(Finding("patch", "ok", f"{patch.id:<14} {patch.kind.value:<13} "
+                                    f"{patch.target} fingerprint {patch.ast_sha}", patch.id, patch.target))
     from sglang_dsv41 import pinned_internals
 
     drifted = 0
@@ -121,14 +149,40 @@ def doctor(_args) -> int:
         problems = pinned_internals.problems(internal)
         if problems:
             drifted += 1
-            _line(BAD, f"internal {internal.name} ({internal.used_by}): " + "; ".join(problems))
+            findings.append(Finding("internal", "fail", f"internal {internal.name} ({internal.used_by}): "
+                                    + "; ".join(problems), None, internal.name))
     if not drifted:
-        _line(OK, f"{len(pinned_internals.INTERNALS)} pinned sglang internals the tooling uses "
-                  "match their fingerprints")
-    failed |= bool(drifted)
+        findings.append(Finding("internal", "ok", f"{len(pinned_internals.INTERNALS)} pinned sglang "
+                                "internals the tooling uses match their fingerprints"))
     for verdict, text in _entry_point_findings() + _foreign_hook_findings():
-        failed |= verdict == BAD
-        _line(verdict, text)
+        findings.append(Finding(_check_of(text), _STATUS_OF[verdict], text))
+    return findings
+
+
+def versions() -> dict:
+    """This package's version, the sglang release it is pinned to, the installed sglang."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from sglang_dsv41 import __version__
+
+    try:
+        ours = version(DISTRIBUTION_NAME)
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        ours = __version__
+    return {"version": ours, "pinned_sglang": PINNED_SGLANG_VERSION,
+            "installed_sglang": fp.installed_version("sglang")}
+
+
+def doctor(args) -> int:
+    findings = doctor_findings()
+    failed = any(f.status == "fail" for f in findings)
+    if getattr(args, "json", False):
+        report = {"tool": "sglang-dsv41", "command": "doctor", **versions(),
+                  "ok": not failed, "findings": [asdict(f) for f in findings]}
+        print(json.dumps(report, indent=2))
+        return 1 if failed else 0
+    for finding in findings:
+        _line(finding.verdict, finding.message)
     print("doctor: " + ("PROBLEMS FOUND" if failed else "all checks passed"))
     return 1 if failed else 0
 
@@ -261,10 +315,30 @@ def upgrade_check_cmd(args) -> int:
     return upgrade_main(args)
 
 
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        v = versions()
+        print(f"sglang-dsv41 {v['version']} (pinned sglang=={v['pinned_sglang']}; "
+              f"installed sglang {v['installed_sglang'] or 'not installed'})")
+        parser.exit(0)
+
+
+def smoke_cmd(args) -> int:
+    from sglang_dsv41.smoke import main as smoke_main
+
+    return smoke_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-dsv41")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print this package's version, the pinned and the installed sglang")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="check the install: pin, fingerprints, entry point, conflicts")
+    doc = sub.add_parser("doctor", help="check the install: pin, fingerprints, entry point, conflicts")
+    doc.add_argument("--json", action="store_true", help="one JSON report instead of text lines")
     f = sub.add_parser("fingerprint", help="compare (or --update) the table's upstream fingerprints")
     f.add_argument("--update", action="store_true",
                    help="rewrite the literals in patch_table.py (all, or only the given ids)")
@@ -288,9 +362,13 @@ def main(argv=None) -> int:
                    help="compare against this release instead of the installed pinned sglang")
     u.add_argument("--json", action="store_true", help="the report as JSON")
     u.add_argument("--download-timeout", type=float, default=600, metavar="SECONDS")
+    from sglang_dsv41.smoke import add_arguments as add_smoke_arguments
+
+    add_smoke_arguments(sub.add_parser(
+        "smoke", help="check running servers: health, one chat completion, the plugin's metrics"))
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
-               "patches-doc": patches_doc_cmd, "plan": plan_cmd,
+               "patches-doc": patches_doc_cmd, "plan": plan_cmd, "smoke": smoke_cmd,
                "upgrade-check": upgrade_check_cmd}[args.cmd]
     return handler(args)
 

@@ -371,6 +371,10 @@ def side_main(role, queue, release):
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["t_done"] = round(time.monotonic() - T0, 1)
+    if PLUGIN != "none":  # what the hooks counted for sglang_dsv41_side_channel_*
+        from sglang_dsv41.core import plugin_metrics
+
+        result["plugin_metrics"] = plugin_metrics.totals()
     queue.put((role, result))
     time.sleep(0.5)
     os._exit(0)

@@ -138,3 +138,25 @@ def test_stock_transfer_also_completes_on_cpu(runs):
     assert dec["status_A"] == dec["status_B"] == "success"
     assert dec["mismatch_A"] == dec["mismatch_B"] == []
     assert dec["mismatch_at_status_A"] == dec["mismatch_at_status_B"] == []
+
+
+@pytest.mark.timeout(480)
+def test_side_channel_counters_match_what_moved(runs):
+    """The hooks' counts behind sglang_dsv41_side_channel_*: every host block the
+    prefill sent was written on the decode side, byte for byte in number, and
+    each injected bad message counts as one receive drop."""
+    sent = runs["plugin"]["prefill"]["plugin_metrics"]
+    got = runs["plugin"]["decode"]["plugin_metrics"]
+    # Per room: aux0 and aux1 (one slot each) and the host state entry.
+    blocks_per_room = 3
+    bytes_per_room = AUX_ITEM_BYTES + STATE_ENTRY_1_BYTES
+    assert sent["side_channel_blocks"] == {"sent": 2 * blocks_per_room}
+    assert sent["side_channel_bytes"] == {"sent": 2 * bytes_per_room}
+    assert got["side_channel_blocks"] == {"written": 2 * blocks_per_room}
+    assert got["side_channel_bytes"] == {"written": 2 * bytes_per_room}
+    assert got["side_channel_drops"] == {"receive": runs["plugin"]["decode"]["bad_frames_dropped"]}
+    assert sent["side_channel_drops"] == {}
+
+
+AUX_ITEM_BYTES = 64 + 40  # _pd_pair.AUX_ITEMS: one slot of each aux buffer
+STATE_ENTRY_1_BYTES = 160  # _pd_pair.STATE_ITEM[1]: the host-resident state entry

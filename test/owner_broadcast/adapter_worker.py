@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sglang_dsv41.core import plugin_metrics
+
 OWN_IDS = ("OWN-GROUP", "OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
 WIDTH = 8
 VOCAB = 32
@@ -38,6 +40,17 @@ def image_span(content_hash: int, span_len: int) -> torch.Tensor:
 
 def full_text_table() -> torch.Tensor:
     return torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(3))
+
+
+def metric_changes(before, after):
+    """What the plugin's counters of this process gained between two ``totals()``."""
+    changes = {}
+    for name, per in after.items():
+        for label, value in per.items():
+            gained = value - before.get(name, {}).get(label, 0)
+            if gained:
+                changes.setdefault(name, {})[label] = gained
+    return changes
 
 
 def main():
@@ -221,6 +234,9 @@ def run_all(rank, coordinator, counts):
 
             text_embedding.__dict__["_embed_local_shard"] = failing_lookup
         counts.update(all_gather_object=0, broadcast=0, all_reduce_max=0)
+        metrics_before = plugin_metrics.totals()
+        router = model.mm_owner_router
+        routes_before = dict(router.routes) if router is not None else {}
         input_ids = torch.tensor(
             [t for prompt, _mm, _im, prefix, extend in requests for t in prompt[prefix : prefix + extend]],
             dtype=torch.long,
@@ -252,8 +268,11 @@ def run_all(rank, coordinator, counts):
             text_embedding.__dict__.pop("_embed_local_shard", None)
         out.update(encoded=sorted(model.encoded), **counts)
         model.encoded.clear()
-        router = model.mm_owner_router
+        out["metrics"] = metric_changes(metrics_before, plugin_metrics.totals())
         if router is not None:
+            out["routes_this_run"] = {route.value: n - routes_before.get(route, 0)
+                                      for route, n in router.routes.items()
+                                      if n != routes_before.get(route, 0)}
             out["routes"] = {route.value: n for route, n in router.routes.items() if n}
             out["directory"] = router.directory.digest()
             out["directory_spans"] = len(router.directory)

@@ -303,3 +303,31 @@ def test_the_default_mode_is_guarded(results):
     assert r0["status"] == r1["status"] == "agreed-error", (r0, r1)
     assert r0["error"] == r1["error"]
     assert "vision tower failed on 404" in r0["error"], r0
+
+
+def test_plugin_metrics_count_what_each_chunk_did(results):
+    """The counters behind sglang_dsv41_owner_* follow each chunk of the real
+    input preparation: one route per routed chunk, one agreement round per
+    status round or report gather, one failure per agreed error."""
+    checked = 0
+    for name, ranks in results.items():
+        if name.startswith("_"):
+            continue
+        for r in ranks.values():
+            if "metrics" not in r:
+                continue
+            metrics = r["metrics"]
+            rounds = metrics.get("owner_agreement_rounds", {}).get("", 0)
+            assert rounds == r["all_reduce_max"] + r["all_gather_object"], (name, r)
+            failures = metrics.get("owner_agreement_failures", {}).get("", 0)
+            assert failures == (1 if r["status"] == "agreed-error" else 0), (name, r)
+            assert metrics.get("owner_routes", {}) == r.get("routes_this_run", {}), (name, r)
+            checked += 1
+    assert checked >= 20
+    r0, r1 = both(results, "owner")
+    # Rank 0 encoded 202 and took 101 and 303 from rank 1's broadcast; rank 1 took 202.
+    assert r0["metrics"]["owner_encodes_saved"] == {"": 2}
+    assert r1["metrics"]["owner_encodes_saved"] == {"": 1}
+    for r in both(results, "warm") + both(results, "disabled"):
+        assert "owner_encodes_saved" not in r["metrics"], r
+    assert any(r["status"] == "agreed-error" for r in results["encode-fails"].values())

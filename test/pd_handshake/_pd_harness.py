@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,32 @@ def plugin_hook_installed():
 
 
 # ---------------------------------------------------------------- bootstrap server
+def stop_bootstrap_server(server: CommonKVBootstrapServer) -> None:
+    """Stop sglang's bootstrap server without leaving a task pending.
+
+    Its ``close()`` stops the event loop while the periodic entry-cleanup task
+    still waits in a sleep; the loop is then closed and the task is destroyed
+    pending ("Task was destroyed but it is pending!" at garbage collection).
+    Cancelling the server's background tasks on its own loop first lets the
+    loop's final cleanup run finish them.
+    """
+    loop = getattr(server, "_loop", None)
+    if loop is not None and loop.is_running():
+        cancelled = threading.Event()
+
+        def cancel_background_tasks():
+            for task in list(server._background_tasks):
+                task.cancel()
+            cancelled.set()
+
+        loop.call_soon_threadsafe(cancel_background_tasks)
+        if not cancelled.wait(5):
+            raise RuntimeError(f"bootstrap server on port {server.port} did not cancel its tasks")
+    server.close()
+    if server.thread.is_alive():
+        raise RuntimeError(f"bootstrap server thread on port {server.port} did not stop")
+
+
 class BootstrapServer:
     """sglang's Python bootstrap server on 127.0.0.1, closed on exit."""
 
@@ -79,7 +106,7 @@ class BootstrapServer:
 
     def close(self):
         if self.server is not None:
-            self.server.close()
+            stop_bootstrap_server(self.server)
             self.server = None
             # The port is reused by restart tests: wait until nothing answers there.
             deadline = time.monotonic() + 10

@@ -280,3 +280,20 @@ def test_layout_mismatch_still_rejected():
         assert_rejected_before_caching(
             managers[0], server.addr, "layout mismatch",
             "spec_layout.kv_item_lens: prefill=[1024, 1024], decode=[512, 1024]")
+
+
+def test_each_refused_pairing_is_counted_for_the_metrics():
+    """sglang_dsv41_pd_pairings_refused_total: one per refused handshake, none
+    for an accepted one."""
+    from sglang_dsv41.core import plugin_metrics
+
+    def refused() -> float:
+        return plugin_metrics.totals()["pd_pairings_refused"].get("", 0)
+
+    before = refused()
+    with paired(P(4), D(4), decode_dspark=False) as (server, managers):
+        assert_rejected_before_caching(managers[0], server.addr, "dspark: prefill=True, decode=False")
+        assert_rejected_before_caching(managers[1], server.addr, "dspark: prefill=True, decode=False")
+    with paired(P(4), D(4)) as (server, managers):
+        assert managers[0].try_ensure_parallel_info(server.addr) is True
+    assert refused() - before == 2

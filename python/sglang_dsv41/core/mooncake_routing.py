@@ -316,6 +316,11 @@ def encode_host_blocks(room: int, blocks: Sequence[tuple[int, bytes]]) -> list[b
     return [AUX_DATA_HEADER, str(room).encode("ascii"), HOST_BLOCKS_TAG, bytes(table), payload]
 
 
+def host_block_message_size(frames: Sequence[bytes]) -> tuple[int, int]:
+    """(blocks, payload bytes) of a message built by ``encode_host_blocks``."""
+    return len(frames[3]) // _ENTRY.size, len(frames[4])
+
+
 def _parse_decimal(raw: bytes, what: str) -> int:
     if not raw or len(raw) > MAX_ROOM_DIGITS or not all(0x30 <= b <= 0x39 for b in raw):
         raise HostBlockFrameError(f"{what} is not a plain decimal number: {raw[:32]!r}")

@@ -33,7 +33,13 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from sglang_dsv41.core.owner_embedding import OwnerSession, SpanRequest, select_owner_group_kind
+from sglang_dsv41.core import plugin_metrics
+from sglang_dsv41.core.owner_embedding import (
+    OwnerProtocolError,
+    OwnerSession,
+    SpanRequest,
+    select_owner_group_kind,
+)
 from sglang_dsv41.core.owner_routing import (
     ENV_MODE,
     ChunkSpan,
@@ -274,6 +280,9 @@ def prepare_routed_chunk(chunk: ChunkRoute, router: OwnerRouter, prepare: Callab
         else:
             with chunk.session.fence():
                 result = prepare()
+    except OwnerProtocolError:  # the same error on every rank of the group
+        plugin_metrics.count_agreement_failure()
+        raise
     finally:
         _active_chunk.reset(token)
     if chunk.spans:

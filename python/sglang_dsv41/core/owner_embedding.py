@@ -114,6 +114,7 @@ import msgspec
 import torch
 
 from sglang_dsv41.core.owner_routing import balanced_owners, owner_of  # noqa: F401
+from sglang_dsv41.core.plugin_metrics import count_agreement_round as _count_round
 
 logger = logging.getLogger(__name__)
 
@@ -479,6 +480,9 @@ class OwnerSession:
         # The text embedding ran without a collective: the fence end also
         # agrees that the features were ready.
         self._text_embedded_locally = False
+        # Spans this rank lacked and took from a peer's broadcast instead of
+        # encoding them: encodes the owner path saved on this rank.
+        self.spans_received = 0
 
     # -- public protocol steps -------------------------------------------
 
@@ -637,8 +641,11 @@ class OwnerSession:
             spans = torch.split(payloads[owner], [requests[i].span_len for i in indices])
             received.extend(zip(indices, spans))
         # Only complete spans reach the cache, and only after every broadcast.
+        me = self.group.rank_in_group
         for index, span in received:
             request = requests[index]
+            if plan.owners[index] != me and request.key not in features:
+                self.spans_received += 1  # neither cached here nor encoded here
             features[request.key] = span
             cache.set(request.content_hash, span)
         return features
@@ -1097,11 +1104,13 @@ class CoordinatorGroup:
         return list(self.coordinator.ranks)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
+        _count_round()  # the protocol gathers only to agree (reports, after a failure)
         return self.coordinator.all_gather_object(obj)
 
     def all_reduce_max(self, values: Sequence[int]) -> List[int]:
         import torch.distributed as dist
 
+        _count_round()
         coordinator = self.coordinator
         if coordinator.world_size == 1:
             return [int(v) for v in values]

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.memory_access import HostMemory, cuda_memory_access
 from sglang_dsv41.core.mooncake_routing import (
     HostBlockReceiver,
@@ -29,6 +30,7 @@ from sglang_dsv41.core.mooncake_routing import (
     MemoryAccess,
     MemoryAccessError,
     NoSideChannel,
+    host_block_message_size,
     RegionTable,
     SideChannel,
     TransferRouter,
@@ -135,6 +137,7 @@ def _side_channel(manager, session_id: str) -> SideChannel:
 
     def send(frames: list[bytes]) -> None:
         manager._send_multipart_locked(endpoint, frames, is_ipv6=address.is_ipv6)
+        plugin_metrics.count_side_channel("sent", *host_block_message_size(frames))
 
     return SideChannel(room=int(room), send=send)
 
@@ -146,11 +149,20 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
         return original(self, mooncake_session_id, transfer_blocks)
     if not isinstance(transfer_blocks, list):
         transfer_blocks = list(transfer_blocks)
-    return state.router.route(
+    opened = []  # the router asks for the side channel only when it has host blocks to send
+
+    def open_side_channel() -> SideChannel:
+        opened.append(True)
+        return _side_channel(self, mooncake_session_id)
+
+    rc = state.router.route(
         transfer_blocks,
         lambda device_blocks: original(self, mooncake_session_id, device_blocks),
-        lambda: _side_channel(self, mooncake_session_id),
+        open_side_channel,
     )
+    if rc != 0 and opened:  # after the device blocks went through: host blocks not delivered
+        plugin_metrics.count_side_channel_drop("send")
+    return rc
 
 
 def _published_regions(manager) -> RegionTable:
@@ -178,7 +190,13 @@ def around_handle_aux_data(original, self, msg):
     if not is_host_block_message(msg):
         return original(self, msg)
     try:
-        _receiver_for(self).handle(msg)
+        verdict = _receiver_for(self).handle(msg)
     except Exception:  # the decode thread must keep serving
         logger.exception("[sglang-dsv41] host-block message dropped")
+        plugin_metrics.count_side_channel_drop("receive")
+        return None
+    if verdict.written:
+        plugin_metrics.count_side_channel("written", verdict.blocks, verdict.nbytes)
+    else:
+        plugin_metrics.count_side_channel_drop("receive")
     return None

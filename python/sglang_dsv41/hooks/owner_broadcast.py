@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from sglang_dsv41.core import owner_chunks
+from sglang_dsv41.core import owner_chunks, plugin_metrics
 from sglang_dsv41.core.owner_chunks import (
     TABLE_ATTRIBUTE,
     active_chunk,
@@ -126,6 +126,8 @@ def attach_owner_path(model) -> None:
         policy = RoutingPolicy.from_env(os.environ)
         row_bytes = model.config.hidden_size * model.image_start.element_size()
         model.mm_owner_router = OwnerRouter(group.world_size, policy, SpanDirectory(0), row_bytes)
+        # The router counts its routes per chunk anyway; the metrics read those counts.
+        plugin_metrics.export_route_counts(model.mm_owner_router.routes)
         # A PD decode server never embeds images in its batches: its
         # admissions build no tables (a chunk that ever needed one builds it).
         if not on_decode_server():
@@ -265,11 +267,13 @@ def around_batch_encode_per_image_misses(original, data_embedding_func, per_imag
     if session is not None and session.engaged and not session.local_encode:
         from sglang.srt.managers import mm_schedule
 
-        return session.resolve(
+        features = session.resolve(
             collect_span_requests(per_image_requests, mm_schedule._item_overlap),
             StaticCacheAdapter(),
             owner_chunks.owner_encoder(data_embedding_func, device, mm_schedule._move_items_to_device,
                                        mm_schedule.BORROW_CUDA_IPC_FEATURE_KEY),
         )
+        plugin_metrics.count_encodes_saved(session.spans_received)
+        return features
     owner_chunks.warn_once_if_unrouted(chunk)
     return original(data_embedding_func, per_image_requests, device)

@@ -27,7 +27,8 @@ import logging
 import threading
 from contextlib import contextmanager
 
-from sglang_dsv41.core.pd_pairing import PDSide, Rule, check_pairing
+from sglang_dsv41.core import plugin_metrics
+from sglang_dsv41.core.pd_pairing import PairingRejected, PDSide, Rule, check_pairing
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,11 @@ class _Handshake:
         setattr(info, _LAYOUT_FIELD, self.published_layout)
         local = decode_side(self.manager)
         if self.published_layout is not None or local.dspark:
-            verdict = check_pairing(prefill_side(info, self.published_layout), local)
+            try:
+                verdict = check_pairing(prefill_side(info, self.published_layout), local)
+            except PairingRejected:
+                plugin_metrics.count_pairing_refused()
+                raise
             if verdict.rule is not Rule.UPSTREAM_EQUAL:
                 logger.info(
                     "[sglang-dsv41] DSpark PD pairing with %s accepted by rule %s: prefill "

@@ -1,0 +1,217 @@
+"""The plugin's Prometheus series, exported the way sglang 0.5.23 exports its own.
+
+Under ``--enable-metrics`` sglang sets ``PROMETHEUS_MULTIPROC_DIR`` in the
+launcher before it spawns anything, and its HTTP server mounts ``/metrics``
+with a ``MultiProcessCollector`` over that directory
+(``sglang.srt.utils.add_prometheus_middleware``). Here a separate process
+(standing in for a scheduler) counts through ``core.plugin_metrics`` and the
+test serves sglang's real middleware with uvicorn on 127.0.0.1 and reads
+``/metrics`` over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+from conftest import run_python
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEDULER_LIKE = """
+import json, sys
+from sglang_dsv41.core import plugin_metrics as m
+from sglang_dsv41.core.owner_routing import Route
+imported_early = "prometheus_client" in sys.modules
+m.count_launch_guard("dp-dspark-replay")          # before the decision: kept
+decided = m.configure({enabled})
+m.role_verified("scheduler", 9, 9)
+routes = {{route: 0 for route in Route}}  # as an owner router keeps them
+m.export_route_counts(routes)
+for route in (Route.KNOWN, Route.KNOWN, Route.OWNER, Route.NOT_WORTH):
+    routes[route] += 1
+for _ in range(3):
+    m.count_agreement_round()
+m.count_encodes_saved(2)
+m.count_side_channel("sent", 4, 4096)
+m.count_side_channel_drop("receive")
+m.count_pairing_refused()
+m.count_agreement_failure()
+print(json.dumps({{"decided": decided, "imported_early": imported_early,
+                   "imported_now": "prometheus_client" in sys.modules}}))
+"""  # exits without an explicit flush: the exit handler exports the last counts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sglang_metrics_server(directory, monkeypatch):
+    """sglang's own /metrics mount on a FastAPI app, served on 127.0.0.1."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from sglang.srt.utils import add_prometheus_middleware
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    app = FastAPI()
+    add_prometheus_middleware(app)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def samples(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_dsv41_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def count_in_another_process(directory, enabled: bool) -> dict:
+    done = run_python(SCHEDULER_LIKE.format(enabled=enabled),
+                      env={"PROMETHEUS_MULTIPROC_DIR": str(directory)}, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_counts_of_another_process_reach_sglangs_metrics_endpoint(tmp_path, monkeypatch):
+    state = count_in_another_process(tmp_path, enabled=True)
+    assert state == {"decided": True, "imported_early": False, "imported_now": True}
+    with sglang_metrics_server(tmp_path, monkeypatch) as url:
+        response = requests.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200
+    got = samples(response.text)
+    assert got == {
+        'sglang_dsv41_patches_applied{role="scheduler"}': 9.0,
+        'sglang_dsv41_patches_owed{role="scheduler"}': 9.0,
+        'sglang_dsv41_processes_verified_total{role="scheduler"}': 1.0,
+        'sglang_dsv41_owner_routes_total{route="known"}': 2.0,
+        'sglang_dsv41_owner_routes_total{route="owner"}': 1.0,
+        'sglang_dsv41_owner_routes_total{route="not-worth"}': 1.0,
+        'sglang_dsv41_owner_agreement_rounds_total': 3.0,
+        'sglang_dsv41_owner_encodes_saved_total': 2.0,
+        'sglang_dsv41_owner_agreement_failures_total': 1.0,
+        'sglang_dsv41_side_channel_blocks_total{direction="sent"}': 4.0,
+        'sglang_dsv41_side_channel_bytes_total{direction="sent"}': 4096.0,
+        'sglang_dsv41_side_channel_drops_total{direction="receive"}': 1.0,
+        'sglang_dsv41_pd_pairings_refused_total': 1.0,
+        'sglang_dsv41_launch_guards_applied_total{rule="dp-dspark-replay"}': 1.0,
+    }
+
+
+def test_counters_sum_over_processes_and_gauges_do_not(tmp_path, monkeypatch):
+    count_in_another_process(tmp_path, enabled=True)
+    count_in_another_process(tmp_path, enabled=True)
+    with sglang_metrics_server(tmp_path, monkeypatch) as url:
+        got = samples(requests.get(f"{url}/metrics", timeout=10).text)
+    assert got['sglang_dsv41_owner_routes_total{route="known"}'] == 4.0
+    assert got['sglang_dsv41_processes_verified_total{role="scheduler"}'] == 2.0
+    assert got['sglang_dsv41_patches_applied{role="scheduler"}'] == 9.0
+
+
+def test_metrics_off_writes_nothing_and_never_imports_prometheus(tmp_path):
+    state = count_in_another_process(tmp_path, enabled=False)
+    assert state == {"decided": False, "imported_early": False, "imported_now": False}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_enabled_without_sglangs_directory_stays_off_with_a_warning():
+    done = run_python("""
+        import logging, os, sys
+        logging.basicConfig(level=logging.WARNING)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        from sglang_dsv41.core import plugin_metrics as m
+        print(m.configure(True), "prometheus_client" in sys.modules)
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]
+    assert "PROMETHEUS_MULTIPROC_DIR is not set" in done.stderr
+
+
+def test_counts_from_many_threads_are_exact(tmp_path):
+    done = run_python("""
+        import threading
+        from sglang_dsv41.core import plugin_metrics as m
+        m.configure(True)
+        def worker():
+            for _ in range(20000):
+                m.count_side_channel("sent", 1, 10)
+                m.count_agreement_round()
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        t = m.totals()
+        print(t["side_channel_blocks"]["sent"], t["side_channel_bytes"]["sent"], t["owner_agreement_rounds"][""])
+    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["80000", "800000", "80000"]
+
+
+@pytest.mark.timeout(400)
+def test_the_plugin_in_a_real_scheduler_role_reports_its_patches(tmp_path):
+    """sglang's load_plugins(), then the real ACT-SCHED hook on Scheduler.__init__
+    (its verification and metrics decision run before the scheduler's own body,
+    which needs a GPU and fails here on purpose)."""
+    done = run_python("""
+        import json
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from types import SimpleNamespace
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang_dsv41.core import plugin_metrics as m
+        # Only the field the hook reads; the scheduler body fails without a GPU.
+        args = SimpleNamespace(enable_metrics=True)
+        try:
+            Scheduler.__init__(object.__new__(Scheduler), args, None)
+        except Exception:
+            pass  # the BEFORE hook already ran
+        m.flush()
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        print(json.dumps([l for l in generate_latest(registry).decode().splitlines()
+                          if l.startswith("sglang_dsv41_p")]))
+    """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=380)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = json.loads(done.stdout.strip().splitlines()[-1])
+    from sglang_dsv41.patch_spec import Role
+    from sglang_dsv41.patch_table import owed_to
+
+    owed = len(owed_to(Role.SCHEDULER))
+    assert f'sglang_dsv41_patches_applied{{role="scheduler"}} {float(owed)}' in lines
+    assert f'sglang_dsv41_patches_owed{{role="scheduler"}} {float(owed)}' in lines
+    assert 'sglang_dsv41_processes_verified_total{role="scheduler"} 1.0' in lines
+
+
+def test_docs_metrics_is_generated_from_the_series():
+    from conftest import REPO_ROOT
+    from sglang_dsv41.core.plugin_metrics import SERIES, render_markdown
+
+    text = (REPO_ROOT / "docs" / "METRICS.md").read_text()
+    assert text == render_markdown(), (
+        "docs/METRICS.md is stale: PYTHONPATH=python python -m "
+        "sglang_dsv41.core.plugin_metrics > docs/METRICS.md")
+    for series in SERIES:
+        assert series.exported_name.startswith("sglang_dsv41_") and series.exported_name in text
