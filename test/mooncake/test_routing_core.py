@@ -455,3 +455,44 @@ def test_kind_table_split_asks_fallback_for_unknown_pointers_each_time():
     device, host = table.split(blocks)
     assert len(device) == 100 and host == [(12345, 0, 8), (12345, 1, 8)]
     assert asked == [12345]  # the second block sits in the remembered span of the first
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    regions=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 4096), st.booleans()),
+                     min_size=1, max_size=10),
+    picks=st.lists(st.tuples(st.integers(0, 9), st.integers(-64, 4160)), min_size=1, max_size=120),
+)
+def test_kind_table_split_hopping_between_buffers_matches_kind_of(regions, picks):
+    """Blocks hop from buffer to buffer (one page per layer), near and across their edges;
+    buffers may touch, repeat or nest when they are of one kind."""
+    classified = []
+    for start, size, dev in regions:
+        kind = D if dev else H
+        if all(k is kind or not (start < s + n and s < start + size) for s, n, k in classified):
+            classified.append((start, size, kind))
+            if dev:  # a device buffer reported twice, and one starting where it ends
+                classified += [(start, size, kind), (start + size, 64, kind)]
+    asked = []
+    table = KindTable(classified, lambda p: asked.append(p) or H)
+    blocks = []
+    for i, (which, offset) in enumerate(picks):
+        start, size, _ = classified[which % len(classified)]
+        blocks.append((max(start + offset, 0), i, 8))
+    device, host = table.split(blocks)
+    want_device, want_host = split_by_source(blocks, table.kind_of)
+    assert list(device) == want_device and host == want_host
+
+
+def test_kind_table_batch_across_many_buffers_classifies_each_block():
+    """43 one-page blocks, each from its own buffer, with a host buffer between two of them."""
+    buffers = [((i + 1) << 24, 1 << 20, D) for i in range(43)]
+    host_buffer = ((44 << 24), 1 << 20, H)
+    table = KindTable(buffers + [host_buffer], lambda p: pytest.fail(f"asked about {p:#x}"))
+    blocks = [(p + 4096, 0, 4096) for p, _, _ in buffers]
+    blocks.insert(20, (host_buffer[0] + 8, 1, 64))
+    device, host = table.split(blocks)
+    assert host == [(host_buffer[0] + 8, 1, 64)]
+    assert device == [b for b in blocks if b[1] == 0]
+    first = blocks[:20]
+    assert table.split(first) == (first, []) and table.split(first)[0] is first

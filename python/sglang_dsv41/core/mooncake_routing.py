@@ -149,6 +149,15 @@ class KindTable:
         kinds = {(int(p), int(n)): k for p, n, k in classified if int(n) > 0}
         self._kinds = [kinds[r] for r in self._table.regions]
         self._fallback = fallback
+        # The table's region edges cut the address space into segments inside
+        # which no region starts or ends, so every pointer of a segment gets the
+        # answer ``kind_of`` gives its first byte: True (device), False (host),
+        # None (no known region: ask ``fallback``). The last segment is open-ended.
+        self._edges = sorted({e for p, n in self._table.regions for e in (p, p + n)})
+        self._edge_kinds: list[Optional[bool]] = []
+        for edge in self._edges:
+            j = self._table.index_containing(edge, 1)
+            self._edge_kinds.append(None if j is None else self._kinds[j] is MemoryKind.DEVICE)
 
     def kind_of(self, ptr: int) -> MemoryKind:
         j = self._table.index_containing(ptr, 1)
@@ -156,20 +165,14 @@ class KindTable:
             return self._fallback(ptr)
         return self._kinds[j]
 
-    def _span_of(self, ptr: int) -> tuple[int, int, bool]:
-        """(start, end, is_device) of the known region holding ptr, or of ptr alone."""
-        j = self._table.index_containing(ptr, 1)
-        if j is None:
-            return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
-        start, size = self._table._regions[j]
-        return start, start + size, self._kinds[j] is MemoryKind.DEVICE
-
     def split(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[Block]]:
         """Like ``split_by_source``, tuned for the hot path.
 
         Consecutive blocks mostly come from one buffer (upstream builds batches
-        layer by layer), so the last region is remembered and most blocks cost
-        one range test. An all-device batch is returned as it came, uncopied.
+        layer by layer), so the last segment is remembered and most blocks cost
+        one range test; a block from another buffer (the sliding-window state
+        sends one page per layer, each layer its own buffer) costs one bisection
+        of the segment edges. An all-device batch is returned as it came, uncopied.
         """
         host_at = self._host_positions(blocks)
         if not host_at:
@@ -179,13 +182,22 @@ class KindTable:
         return device, [blocks[i] for i in host_at]
 
     def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
+        # Inlined: this loop runs once per block of every transfer batch.
+        edges, edge_kinds, fallback = self._edges, self._edge_kinds, self._fallback
+        bisect_right = bisect.bisect_right
         lo = hi = 0
         is_device = True
         host_at: list[int] = []
         for i, block in enumerate(blocks):
             src = block[0]
             if not lo <= src < hi:
-                lo, hi, is_device = self._span_of(int(src))
+                k = bisect_right(edges, src) - 1
+                known = edge_kinds[k] if k >= 0 else None
+                if known is None:  # outside every known region: remember ptr alone
+                    src = int(src)
+                    lo, hi, is_device = src, src + 1, fallback(src) is MemoryKind.DEVICE
+                else:
+                    lo, hi, is_device = edges[k], edges[k + 1], known
             if not is_device:
                 host_at.append(i)
         return host_at
