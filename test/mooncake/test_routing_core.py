@@ -457,31 +457,49 @@ def test_kind_table_split_asks_fallback_for_unknown_pointers_each_time():
     assert asked == [12345]  # the second block sits in the remembered span of the first
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
-    regions=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(1, 4096), st.booleans()),
+    scale=st.sampled_from([0, 12, 15]),  # byte-sized buffers up to buffers of many granules
+    regions=st.lists(st.tuples(st.integers(0, 1 << 12), st.integers(1, 64), st.booleans()),
                      min_size=1, max_size=10),
-    picks=st.lists(st.tuples(st.integers(0, 9), st.integers(-64, 4160)), min_size=1, max_size=120),
+    picks=st.lists(st.tuples(st.integers(0, 29), st.floats(-0.1, 1.1), st.integers(-2, 2)),
+                   min_size=1, max_size=120),
 )
-def test_kind_table_split_hopping_between_buffers_matches_kind_of(regions, picks):
-    """Blocks hop from buffer to buffer (one page per layer), near and across their edges;
-    buffers may touch, repeat or nest when they are of one kind."""
+def test_kind_table_split_hopping_between_buffers_matches_kind_of(scale, regions, picks):
+    """Blocks hop from buffer to buffer (one page per layer), inside, at and across their
+    edges, twice (the second time from remembered granules); buffers may touch, repeat or
+    nest when they are of one kind."""
     classified = []
     for start, size, dev in regions:
-        kind = D if dev else H
+        start, size, kind = start << scale, size << scale, D if dev else H
         if all(k is kind or not (start < s + n and s < start + size) for s, n, k in classified):
             classified.append((start, size, kind))
             if dev:  # a device buffer reported twice, and one starting where it ends
-                classified += [(start, size, kind), (start + size, 64, kind)]
-    asked = []
-    table = KindTable(classified, lambda p: asked.append(p) or H)
+                classified += [(start, size, kind), (start + size, 64 << scale, kind)]
+    table = KindTable(classified, lambda p: H if p % 3 else D)
     blocks = []
-    for i, (which, offset) in enumerate(picks):
+    for i, (which, where, nudge) in enumerate(picks):
         start, size, _ = classified[which % len(classified)]
-        blocks.append((max(start + offset, 0), i, 8))
-    device, host = table.split(blocks)
+        blocks.append((max(start + int(size * where) + nudge, 0), i, 8))
     want_device, want_host = split_by_source(blocks, table.kind_of)
-    assert list(device) == want_device and host == want_host
+    for _ in range(2):
+        device, host = table.split(blocks)
+        assert list(device) == want_device and host == want_host
+
+
+def test_kind_table_remembers_a_bounded_number_of_granules(monkeypatch):
+    from sglang_dsv41.core import mooncake_routing
+
+    monkeypatch.setattr(mooncake_routing, "MAX_REMEMBERED_GRANULES", 5)
+    shift = mooncake_routing.GRANULE_SHIFT
+    buffers = [((i + 1) << 30, 8 << shift, D) for i in range(8)]
+    table = KindTable(buffers + [(1 << 40, 1 << shift, H)], lambda p: pytest.fail("asked"))
+    blocks = [(p + (j << shift), 0, 64) for p, _, _ in buffers for j in range(8)]
+    blocks = blocks[::3] + [(1 << 40, 1, 64)]
+    for _ in range(2):
+        device, host = table.split(blocks)
+        assert host == [(1 << 40, 1, 64)] and device == blocks[:-1]
+    assert len(table._granules) == 5
 
 
 def test_kind_table_batch_across_many_buffers_classifies_each_block():

@@ -133,6 +133,13 @@ class RegionTable:
         return None if j is None else self._regions[j]
 
 
+# A 64 KiB granule lying wholly inside one segment of known memory remembers
+# that segment, so finding a block's buffer costs one dict look-up instead of a
+# bisection over multi-digit integers; the dict is bounded.
+GRANULE_SHIFT = 16
+MAX_REMEMBERED_GRANULES = 1 << 16
+
+
 class KindTable:
     """Classifies local pointers from regions classified once at registration.
 
@@ -158,6 +165,7 @@ class KindTable:
         for edge in self._edges:
             j = self._table.index_containing(edge, 1)
             self._edge_kinds.append(None if j is None else self._kinds[j] is MemoryKind.DEVICE)
+        self._granules: dict[int, tuple[int, int, bool]] = {}
 
     def kind_of(self, ptr: int) -> MemoryKind:
         j = self._table.index_containing(ptr, 1)
@@ -171,8 +179,9 @@ class KindTable:
         Consecutive blocks mostly come from one buffer (upstream builds batches
         layer by layer), so the last segment is remembered and most blocks cost
         one range test; a block from another buffer (the sliding-window state
-        sends one page per layer, each layer its own buffer) costs one bisection
-        of the segment edges. An all-device batch is returned as it came, uncopied.
+        sends one page per layer, each layer its own buffer) costs one granule
+        look-up, or the first time one bisection of the segment edges. An
+        all-device batch is returned as it came, uncopied.
         """
         host_at = self._host_positions(blocks)
         if not host_at:
@@ -183,24 +192,36 @@ class KindTable:
 
     def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
         # Inlined: this loop runs once per block of every transfer batch.
-        edges, edge_kinds, fallback = self._edges, self._edge_kinds, self._fallback
-        bisect_right = bisect.bisect_right
+        granules = self._granules
         lo = hi = 0
         is_device = True
         host_at: list[int] = []
         for i, block in enumerate(blocks):
             src = block[0]
             if not lo <= src < hi:
-                k = bisect_right(edges, src) - 1
-                known = edge_kinds[k] if k >= 0 else None
-                if known is None:  # outside every known region: remember ptr alone
-                    src = int(src)
-                    lo, hi, is_device = src, src + 1, fallback(src) is MemoryKind.DEVICE
-                else:
-                    lo, hi, is_device = edges[k], edges[k + 1], known
+                span = granules.get(src >> GRANULE_SHIFT)
+                if span is None:
+                    span = self._segment_of(int(src))
+                lo, hi, is_device = span
             if not is_device:
                 host_at.append(i)
         return host_at
+
+    def _segment_of(self, ptr: int) -> tuple[int, int, bool]:
+        """(start, end, is_device) of ptr's segment, or of ptr alone outside known memory."""
+        k = bisect.bisect_right(self._edges, ptr) - 1
+        known = self._edge_kinds[k] if k >= 0 else None
+        if known is None:
+            return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
+        span = (self._edges[k], self._edges[k + 1], known)
+        granule = ptr >> GRANULE_SHIFT
+        if (
+            span[0] <= granule << GRANULE_SHIFT
+            and (granule + 1) << GRANULE_SHIFT <= span[1]
+            and len(self._granules) < MAX_REMEMBERED_GRANULES
+        ):
+            self._granules[granule] = span
+        return span
 
 
 # --- registration -------------------------------------------------------------
