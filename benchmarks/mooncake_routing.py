@@ -24,6 +24,8 @@ engine pair and buffers, in interleaved rounds:
               the engine) per prefill chunk's KV batch, then one per state call;
 - routed:     the same batches through ``TransferRouter.route``;
 - contiguous: one write of the request's total bytes as a single block.
+The paths take turns request by request; a time is the median over rounds of
+each round's median, routed/stock the median over rounds of each round's ratio.
 
 Geometry (``DSV41_*`` below), read from sglang's own ``DeepSeekV4TokenToKVPool``
 built on the CPU for a V4.1-Flash-shaped layer plan (test/mooncake/
@@ -374,7 +376,7 @@ _SWA0 = _KV0 + len(DSV41_KV_ITEM_BYTES)
 _REQ0 = _SWA0 + DSV41_SWA_LAYERS
 _FLAT = _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES)
 _SRC_FIRST_PAGE, _DST_FIRST_PAGE = 1, 2  # page 0 is the pools' reserved page
-_SWA_PAGES, _REQUEST_SLOTS = 4, 4
+_SWA_PAGES, _REQUEST_SLOTS = 4, 64
 
 
 def dsv41_page_ids(layout: str, count: int, first: int) -> list[int]:
@@ -572,9 +574,24 @@ def run_dsv41_sender(args) -> None:
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
-        for _ in range(args.rounds):  # interleaved, so drift hits every path alike
-            for k, fn in paths.items():
-                samples[k].append(timed(fn, args.iters))
+        names = list(paths)
+        for _ in range(args.rounds):
+            times = {k: [] for k in paths}
+            for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
+                for k in names[it % 3:] + names[:it % 3]:
+                    times[k].append(timed(paths[k], 1))
+            for k, v in times.items():
+                samples[k].append(statistics.median(v))
+        # The Python cost alone: the engine call replaced by a no-op.
+        def noop(blocks):
+            if blocks:
+                srcs, dsts, lens = zip(*blocks)
+                list(srcs), list(dsts), list(lens)
+            return 0
+
+        python = {"stock": request(noop, batches),
+                  "routed": request(lambda b: router.route(b, noop, lambda: side), batches)}
+        python_us = {k: min(timed(fn, 50) for _ in range(5)) * 1e6 for k, fn in python.items()}
         # Byte-exact: clear the receiver, move the request once through the routed path.
         channel.send([b"CLEAR"])
         channel.recv()
@@ -589,10 +606,12 @@ def run_dsv41_sender(args) -> None:
         for k, v in samples.items():
             row[f"{k}_us"] = statistics.median(v) * 1e6
             row[f"{k}_rounds_us"] = [x * 1e6 for x in v]
-        # throughput ratio: 1.0 = routing costs nothing
-        row["routed_over_stock"] = row["stock_us"] / row["routed_us"]
+        # throughput ratio, paired within each round (1.0 = routing costs nothing)
+        row["routed_over_stock"] = statistics.median(
+            s / r for s, r in zip(samples["stock"], samples["routed"]))
         row["stock_x_contiguous"] = row["stock_us"] / row["contiguous_us"]
         row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
+        row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
         rows.append(row)
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
@@ -608,13 +627,15 @@ def run_dsv41_sender(args) -> None:
 def print_dsv41(run: dict, title: str) -> None:
     print(f"\n{title}")
     print(f"{'request':>16} {'calls':>5} {'blocks':>6} {'MB':>6} {'stock us':>9} {'routed us':>10} "
-          f"{'contig us':>10} {'routed/stock':>13} {'stock x contig':>15} {'us/block':>9} {'exact':>6}")
+          f"{'contig us':>10} {'routed/stock':>13} {'stock x contig':>15} {'us/block':>9} {'py +us':>7} {'exact':>6}")
     for r in run["rows"]:
         per_block = (r["stock_us"] - r["contiguous_us"]) / max(r["blocks"] - 1, 1)
         print(f"{r['case']:>16} {r['calls']:>5} {r['blocks']:>6} {r['bytes'] / 1e6:6.1f} "
               f"{r['stock_us']:9.0f} {r['routed_us']:10.0f} {r['contiguous_us']:10.0f} "
               f"{r['routed_over_stock']:13.3f} {r['stock_x_contiguous']:14.1f}x {per_block:9.2f} "
-              f"{str(r['byte_exact']):>6}")
+              f"{r['python_routed_us'] - r['python_stock_us']:7.1f} {str(r['byte_exact']):>6}")
+    print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
+          "in Python alone (engine call replaced by a no-op)")
 
 
 def summarize_dsv41(runs: list[dict]) -> list[dict]:
@@ -764,7 +785,8 @@ def main_dsv41(args) -> None:
         log(f"[{args.mode}] DeepSeek-V4.1 requests, {protocol}, {where}, run {i + 1} of {args.repeat}")
         runs.append(run_pair(args, protocol, "device", engine_only=False, peer_gpu=peer_gpu))
         print_dsv41(runs[-1], f"DeepSeek-V4.1 request pattern, run {i + 1} of {args.repeat} ({args.mode} "
-                    f"mode, {protocol}, {where}; median of {args.rounds} rounds x {args.iters} requests; "
+                    f"mode, {protocol}, {where}; paths in turns, {args.rounds} rounds x {args.iters} requests, "
+                    f"times: median of the round medians, routed/stock: median of the round ratios; "
                     f"memory: {runs[-1]['memory_backend']})")
     summary = summarize_dsv41(runs)
     if args.repeat > 1:

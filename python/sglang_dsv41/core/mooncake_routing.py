@@ -191,13 +191,31 @@ class KindTable:
         return device, [blocks[i] for i in host_at]
 
     def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
-        # Inlined: this loop runs once per block of every transfer batch.
+        # Inlined: this loop runs once per block of every transfer batch. First
+        # the common case, every source in device memory, with as little work
+        # per block as Python allows; the first host block hands over, with its
+        # span, to the loop that collects positions.
         granules = self._granules
         lo = hi = 0
         is_device = True
-        host_at: list[int] = []
-        for i, block in enumerate(blocks):
+        for block in blocks:
             src = block[0]
+            if lo <= src < hi:
+                continue
+            span = granules.get(src >> GRANULE_SHIFT)
+            if span is None:
+                span = self._segment_of(int(src))
+            lo, hi, is_device = span
+            if not is_device:
+                break
+        else:
+            return []
+        # the first block equal to this one is this one: an equal block before
+        # it would have had the same source, and stopped the loop there
+        first_host = blocks.index(block)
+        host_at: list[int] = []
+        for i in range(first_host, len(blocks)):
+            src = blocks[i][0]
             if not lo <= src < hi:
                 span = granules.get(src >> GRANULE_SHIFT)
                 if span is None:
