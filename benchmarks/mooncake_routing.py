@@ -16,6 +16,38 @@ CPU mode: Mooncake tcp on 127.0.0.1, host memory, the "device" buffers'
 classification injected. GPU mode: MC_INTRANODE_NVLINK=1, protocol
 nvlink_intra, device buffers from torch, pinned host buffers, CUDA
 classification. Imports torch, mooncake and sglang_dsv41.core only.
+
+``--pattern dsv41``: the blocks sglang 0.5.23 sends for one DeepSeek-V4.1
+request, per request instead of per batch. Three paths from one run, on the same
+engine pair and buffers, in interleaved rounds:
+- stock:      upstream's call structure: one ``_transfer_data`` body (zip, then
+              the engine) per prefill chunk's KV batch, then one per state call;
+- routed:     the same batches through ``TransferRouter.route``;
+- contiguous: one write of the request's total bytes as a single block.
+The paths take turns request by request; a time is the median over rounds of
+each round's median, routed/stock the median over rounds of each round's ratio.
+
+Geometry (``DSV41_*`` below), read from sglang's own ``DeepSeekV4TokenToKVPool``
+built on the CPU for a V4.1-Flash-shaped layer plan (test/mooncake/
+test_dsv41_pattern.py rebuilds the pool and checks every number here):
+43 layers, 256-token pages, sliding window 128, main KV layout ``v41`` (fp8, 528
+bytes per token, pages padded to 512), ratio-1/2 compressed KV in ``v41_fp4``
+(288 bytes per token), fp4 indexer (index_head_dim 128: 68 bytes per token),
+KV storage on 4 source layers (one ratio-1, three ratio-2), no ratio-4/128 layer.
+- 8 KV buffers (``get_contiguous_buf_infos``), bytes per 256-token page:
+  ratio-1 KV 73,728; ratio-1 indexer 17,408; 3 x ratio-2 KV 36,864;
+  3 x ratio-2 indexer 8,704 (227,840 bytes per page in all);
+- sliding-window state (``get_state_buf_infos``): 43 buffers of 135,168-byte
+  pages; the window's 128 tokens sit in one page per layer;
+- request state (``get_request_state_buf_infos``): 3 buffers, one 8,192-byte row.
+Blocks merge only where both sides' page ids are consecutive (upstream's
+``group_concurrent_contiguous``); a batch lists its blocks buffer by buffer, as
+``_send_kvcache_generic`` builds them. Page layouts: contiguous (both sides
+consecutive), runs of 8 (runs of 8 consecutive pages, one page apart), fragmented
+(no two pages consecutive). Prompts: 8k tokens (one chunk) and 32k (16k chunks).
+
+    PYTHONPATH=python python benchmarks/mooncake_routing.py --pattern dsv41 --mode cpu
+    PYTHONPATH=python python benchmarks/mooncake_routing.py --pattern dsv41 --mode gpu --repeat 3
 """
 
 from __future__ import annotations
@@ -318,6 +350,309 @@ def run_sender(args) -> None:
     os._exit(0)
 
 
+# --- DeepSeek-V4.1 request pattern (geometry documented in the module docstring)
+
+DSV41_PAGE_TOKENS = 256
+DSV41_SLIDING_WINDOW = 128
+DSV41_KV_ITEM_BYTES = (73728, 17408, 36864, 36864, 36864, 8704, 8704, 8704)
+DSV41_SWA_LAYERS = 43
+DSV41_SWA_ITEM_BYTES = 135168
+DSV41_REQUEST_STATE_ITEM_BYTES = (8192, 8192, 8192)
+DSV41_CHUNK_TOKENS = 16384
+# (name, prompt tokens, page layout); prompt 0 = the state calls alone
+DSV41_CASES = (
+    ("8k contiguous", 8192, "contiguous"),
+    ("8k runs of 8", 8192, "runs8"),
+    ("8k fragmented", 8192, "fragmented"),
+    ("32k contiguous", 32768, "contiguous"),
+    ("32k runs of 8", 32768, "runs8"),
+    ("32k fragmented", 32768, "fragmented"),
+    ("state alone", 0, "contiguous"),
+)
+# Buffer index space shared by both sides: KV, then sliding-window state, then
+# request state, then one flat buffer for the contiguous write.
+_KV0 = 0
+_SWA0 = _KV0 + len(DSV41_KV_ITEM_BYTES)
+_REQ0 = _SWA0 + DSV41_SWA_LAYERS
+_FLAT = _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES)
+_SRC_FIRST_PAGE, _DST_FIRST_PAGE = 1, 2  # page 0 is the pools' reserved page
+_SWA_PAGES, _REQUEST_SLOTS = 4, 64
+
+
+def dsv41_page_ids(layout: str, count: int, first: int) -> list[int]:
+    """Page ids of a request's ``count`` pages under a layout."""
+    if layout == "contiguous":
+        return [first + i for i in range(count)]
+    if layout == "runs8":  # runs of 8, one unused page between runs
+        return [first + (i // 8) * 9 + i % 8 for i in range(count)]
+    if layout == "fragmented":  # never two consecutive pages
+        return [first + 2 * i for i in range(count)]
+    raise ValueError(f"unknown page layout {layout!r}")
+
+
+def merge_consecutive(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src page, dst page, pages): a run continues only while both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+Span = tuple[int, int, int, int]  # (buffer index, src offset, dst offset, length)
+
+
+def dsv41_batches(tokens: int, layout: str, chunk_tokens: int = DSV41_CHUNK_TOKENS) -> list[list[Span]]:
+    """The engine calls of one request: a KV batch per prefill chunk, then the state calls."""
+    batches: list[list[Span]] = []
+    pages = -(-tokens // DSV41_PAGE_TOKENS)
+    src_ids = dsv41_page_ids(layout, pages, _SRC_FIRST_PAGE)
+    dst_ids = dsv41_page_ids(layout, pages, _DST_FIRST_PAGE)
+    chunk_pages = chunk_tokens // DSV41_PAGE_TOKENS
+    for start in range(0, pages, chunk_pages):
+        runs = merge_consecutive(src_ids[start:start + chunk_pages], dst_ids[start:start + chunk_pages])
+        batch = []
+        for b, item in enumerate(DSV41_KV_ITEM_BYTES):  # buffer by buffer, as upstream builds it
+            batch += [(_KV0 + b, s * item, d * item, n * item) for s, d, n in runs]
+        batches.append(batch)
+    # Sliding-window state: the window's pages of every layer (ring pages of the
+    # SWA pool, unrelated to the KV page ids), then the request-state rows.
+    window_first = max(tokens - DSV41_SLIDING_WINDOW, 0) // DSV41_PAGE_TOKENS
+    window_pages = max(pages - window_first, 1)
+    swa = merge_consecutive(list(range(1, 1 + window_pages)), list(range(2, 2 + window_pages)))
+    batches.append([(_SWA0 + layer, s * DSV41_SWA_ITEM_BYTES, d * DSV41_SWA_ITEM_BYTES,
+                     n * DSV41_SWA_ITEM_BYTES)
+                    for layer in range(DSV41_SWA_LAYERS) for s, d, n in swa])
+    batches.append([(_REQ0 + k, 1 * item, 2 * item, item)
+                    for k, item in enumerate(DSV41_REQUEST_STATE_ITEM_BYTES)])
+    return batches
+
+
+def dsv41_buffer_sizes() -> list[int]:
+    """Bytes of every buffer in the shared index space (enough for every case)."""
+    max_pages = -(-max(t for _, t, _ in DSV41_CASES) // DSV41_PAGE_TOKENS)
+    kv_pages = _DST_FIRST_PAGE + 2 * max_pages + 2  # the fragmented layout spans twice the pages
+    sizes = [kv_pages * item for item in DSV41_KV_ITEM_BYTES]
+    sizes += [_SWA_PAGES * DSV41_SWA_ITEM_BYTES] * DSV41_SWA_LAYERS
+    sizes += [_REQUEST_SLOTS * item for item in DSV41_REQUEST_STATE_ITEM_BYTES]
+    largest = max(sum(sp[3] for b in dsv41_batches(t, lay) for sp in b) for _, t, lay in DSV41_CASES)
+    sizes.append(largest)
+    return sizes
+
+
+def setup_dsv41(args, sender: bool):
+    """Both sides' buffers (device; one pinned host aux buffer) and a registered engine."""
+    if args.protocol == "nvlink_intra":
+        os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
+    else:
+        os.environ.pop("MC_INTRANODE_NVLINK", None)
+    import torch
+
+    from sglang_dsv41.core.memory_access import InjectedKinds, cuda_memory_access
+    from sglang_dsv41.core.mooncake_routing import plan_registration
+
+    gpu = args.mode == "gpu"
+    if gpu:
+        torch.cuda.set_device(args.gpu)
+    dev = torch.device("cuda", args.gpu) if gpu else torch.device("cpu")
+    buffers = []
+    for i, n in enumerate(dsv41_buffer_sizes()):
+        # 16 MiB at least on the GPU: each tensor gets a cudaMalloc segment of its
+        # own, so a registered pointer is an allocation base, as sglang's pools are.
+        t = torch.zeros(max(n, 16 * MiB) if gpu else n, dtype=torch.uint8, device=dev)[:n]
+        if sender:
+            k = torch.arange(n, dtype=torch.int64, device=dev)
+            t.copy_(((k * 7 + (k >> 9) + i * 131) % 251 + 1).to(torch.uint8))  # never 0
+            del k
+        buffers.append(t)
+    aux = torch.zeros(1 * MiB, dtype=torch.uint8, pin_memory=gpu)  # host: left out, as in sglang
+    if gpu:
+        torch.cuda.synchronize()
+        memory = cuda_memory_access(device=args.gpu)
+    else:
+        memory = InjectedKinds([(t.data_ptr(), t.numel()) for t in buffers])
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", args.protocol, "")
+    if rc != 0:
+        raise RuntimeError(f"Mooncake initialize({args.protocol}) returned {rc}")
+    regions = [(t.data_ptr(), t.numel()) for t in buffers] + [(aux.data_ptr(), aux.numel())]
+    plan = plan_registration(regions, memory.kind_of)
+    if len(plan.register) != len(buffers):
+        raise RuntimeError(f"expected {len(buffers)} device regions, classified {len(plan.register)}")
+    ptrs, lens = zip(*plan.register)
+    rc = engine.batch_register_memory(list(ptrs), list(lens))
+    if rc != 0:
+        raise RuntimeError(f"batch_register_memory returned {rc}")
+    return torch, engine, memory, plan, buffers, aux
+
+
+def _spans_digest(torch, buffers, spans, dst: bool) -> bytes:
+    import hashlib
+
+    h = hashlib.sha256()
+    for b, s_off, d_off, n in spans:
+        off = d_off if dst else s_off
+        h.update(digest(buffers[b][off:off + n]))
+    return h.digest()
+
+
+def run_dsv41_receiver(args) -> None:
+    torch, engine, memory, plan, buffers, aux = setup_dsv41(args, sender=False)
+    channel = Channel.listen(args.channel)
+    print("READY " + json.dumps({
+        "session": f"127.0.0.1:{engine.get_rpc_port()}",
+        "addrs": [t.data_ptr() for t in buffers], "port": channel.port,
+    }), flush=True)
+    channel.accept()
+    while True:
+        frames = channel.recv(timeout_s=3600)
+        if frames[0] == b"CLEAR":
+            for t in buffers:
+                t.zero_()
+            if args.mode == "gpu":
+                torch.cuda.synchronize()
+            channel.send([b"CLEARED"])
+        elif frames[0] == b"CHECK":  # [CHECK, json spans]: digest of the dst spans, nonzero bytes
+            if args.mode == "gpu":
+                torch.cuda.synchronize()
+            spans = json.loads(frames[1])
+            nonzero = sum(int(torch.count_nonzero(t).item()) for t in buffers[:_FLAT])
+            channel.send([b"CHECKED", _spans_digest(torch, buffers, spans, dst=True), str(nonzero).encode()])
+        elif frames[0] == b"BYE":
+            channel.send([b"BYE"])
+            break
+    channel.close()
+    os._exit(0)
+
+
+def run_dsv41_sender(args) -> None:
+    from sglang_dsv41.core.mooncake_routing import KindTable, SideChannel, TransferRouter
+
+    peer = json.loads(args.peer)
+    torch, engine, memory, plan, buffers, aux = setup_dsv41(args, sender=True)
+    channel = Channel.connect(args.channel, peer["port"])
+    session = peer["session"]
+    router = TransferRouter(KindTable(plan.classified, memory.kind_of), memory)
+    side = SideChannel(room=1, send=channel.send)
+    src_addrs = [t.data_ptr() for t in buffers]
+    dst_addrs = peer["addrs"]
+
+    def funnel(blocks):  # upstream MooncakeKVManager._transfer_data's body
+        if not blocks:
+            return 0
+        srcs, dsts, lens = zip(*blocks)
+        return engine.batch_transfer_sync_write(session, list(srcs), list(dsts), list(lens))
+
+    def routed(blocks):
+        return router.route(blocks, funnel, lambda: side)
+
+    def request(call, batches):
+        def run():
+            for blocks in batches:
+                rc = call(blocks)
+                if rc != 0:
+                    return rc
+            return 0
+        return run
+
+    rows = []
+    for name, tokens, layout in DSV41_CASES:
+        if args.cases and name not in args.cases:
+            continue
+        spans = dsv41_batches(tokens, layout)
+        batches = [[(src_addrs[b] + so, dst_addrs[b] + do, n) for b, so, do, n in batch] for batch in spans]
+        nbytes = sum(n for batch in spans for *_, n in batch)
+        flat = [[(src_addrs[_FLAT], dst_addrs[_FLAT], nbytes)]]
+        paths = {"stock": request(funnel, batches), "routed": request(routed, batches),
+                 "contiguous": request(funnel, flat)}
+        for fn in paths.values():  # warm-up: connections, IPC handles
+            timed(fn, 3)
+        samples = {k: [] for k in paths}
+        names = list(paths)
+        for _ in range(args.rounds):
+            times = {k: [] for k in paths}
+            for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
+                for k in names[it % 3:] + names[:it % 3]:
+                    times[k].append(timed(paths[k], 1))
+            for k, v in times.items():
+                samples[k].append(statistics.median(v))
+        # The Python cost alone: the engine call replaced by a no-op.
+        def noop(blocks):
+            if blocks:
+                srcs, dsts, lens = zip(*blocks)
+                list(srcs), list(dsts), list(lens)
+            return 0
+
+        python = {"stock": request(noop, batches),
+                  "routed": request(lambda b: router.route(b, noop, lambda: side), batches)}
+        python_us = {k: min(timed(fn, 50) for _ in range(5)) * 1e6 for k, fn in python.items()}
+        # Byte-exact: clear the receiver, move the request once through the routed path.
+        channel.send([b"CLEAR"])
+        channel.recv()
+        rc = paths["routed"]()
+        all_spans = [sp for batch in spans for sp in batch]
+        channel.send([b"CHECK", json.dumps(all_spans).encode()])
+        reply = channel.recv()
+        exact = (rc == 0 and reply[1] == _spans_digest(torch, buffers, all_spans, dst=False)
+                 and int(reply[2]) == nbytes)
+        row = {"case": name, "tokens": tokens, "layout": layout, "calls": len(spans),
+               "blocks": sum(len(b) for b in spans), "bytes": nbytes, "byte_exact": exact}
+        for k, v in samples.items():
+            row[f"{k}_us"] = statistics.median(v) * 1e6
+            row[f"{k}_rounds_us"] = [x * 1e6 for x in v]
+        # throughput ratio, paired within each round (1.0 = routing costs nothing)
+        row["routed_over_stock"] = statistics.median(
+            s / r for s, r in zip(samples["stock"], samples["routed"]))
+        row["stock_x_contiguous"] = row["stock_us"] / row["contiguous_us"]
+        row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
+        row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
+        rows.append(row)
+        log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
+            f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
+            f"routed/stock {row['routed_over_stock']:.3f}, exact {exact}")
+    channel.send([b"BYE"])
+    channel.recv()
+    print("RESULT " + json.dumps({"rows": rows,
+                                  "memory_backend": getattr(memory, "backend", type(memory).__name__)}),
+          flush=True)
+    os._exit(0)
+
+
+def print_dsv41(run: dict, title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'request':>16} {'calls':>5} {'blocks':>6} {'MB':>6} {'stock us':>9} {'routed us':>10} "
+          f"{'contig us':>10} {'routed/stock':>13} {'stock x contig':>15} {'us/block':>9} {'py +us':>7} {'exact':>6}")
+    for r in run["rows"]:
+        per_block = (r["stock_us"] - r["contiguous_us"]) / max(r["blocks"] - 1, 1)
+        print(f"{r['case']:>16} {r['calls']:>5} {r['blocks']:>6} {r['bytes'] / 1e6:6.1f} "
+              f"{r['stock_us']:9.0f} {r['routed_us']:10.0f} {r['contiguous_us']:10.0f} "
+              f"{r['routed_over_stock']:13.3f} {r['stock_x_contiguous']:14.1f}x {per_block:9.2f} "
+              f"{r['python_routed_us'] - r['python_stock_us']:7.1f} {str(r['byte_exact']):>6}")
+    print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
+          "in Python alone (engine call replaced by a no-op)")
+
+
+def summarize_dsv41(runs: list[dict]) -> list[dict]:
+    """Per case: median and range over runs of routed/stock and stock x contiguous."""
+    out = []
+    for i, first in enumerate(runs[0]["rows"]):
+        rows = [run["rows"][i] for run in runs]
+        entry = {"case": first["case"], "blocks": first["blocks"], "bytes": first["bytes"],
+                 "byte_exact": all(r["byte_exact"] for r in rows)}
+        for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
+                    "stock_us", "routed_us", "contiguous_us"):
+            vals = [r[key] for r in rows]
+            entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        out.append(entry)
+    return out
+
+
 # --- orchestration (parent process)
 
 
@@ -329,7 +664,7 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     common = ["--mode", args.mode, "--protocol", protocol, "--register", register,
               "--device-mib", str(args.device_mib), "--host-mib", str(args.host_mib),
-              "--channel", args.channel]
+              "--channel", args.channel, "--pattern", args.pattern]
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -337,9 +672,12 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
         rx.kill()
         raise RuntimeError(f"receiver failed to start: {line!r}")
     tx_args = [sys.executable, __file__, "--role", "sender", "--gpu", str(peer_gpu), *common,
-               "--peer", line[len("READY "):].strip(), "--shapes", args.shapes,
-               "--latency-sizes", args.latency_sizes, "--iters", str(args.iters),
+               "--peer", line[len("READY "):].strip(), "--iters", str(args.iters),
                "--rounds", str(args.rounds)]
+    if args.pattern == "dsv41":
+        tx_args += [f"--case={c}" for c in args.cases or []]
+    else:
+        tx_args += ["--shapes", args.shapes, "--latency-sizes", args.latency_sizes]
     if engine_only:
         tx_args.append("--engine-only")
     tx = subprocess.run(tx_args, env=env, stdout=subprocess.PIPE, text=True, timeout=600)
@@ -358,6 +696,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--channel", choices=["zmq", "socket"], default=None)
+    p.add_argument("--pattern", choices=["blocks", "dsv41"], default="blocks",
+                   help="blocks: fixed block shapes (default); dsv41: DeepSeek-V4.1 requests")
+    p.add_argument("--case", dest="cases", action="append", default=None,
+                   help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
+    p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
     # internal (child processes)
     p.add_argument("--role", choices=["receiver", "sender"])
     p.add_argument("--protocol", default=None)
@@ -370,9 +714,13 @@ def main() -> None:
     p.add_argument("--engine-only", action="store_true")
     args = p.parse_args()
     if args.role == "receiver":
-        return run_receiver(args)
+        return run_dsv41_receiver(args) if args.pattern == "dsv41" else run_receiver(args)
     if args.role == "sender":
-        return run_sender(args)
+        return run_dsv41_sender(args) if args.pattern == "dsv41" else run_sender(args)
+    if args.pattern == "dsv41":
+        return main_dsv41(args)
+    if args.cases or args.repeat != 1:
+        p.error("--case and --repeat apply to --pattern dsv41 only")
 
     gpu = args.mode == "gpu"
     args.channel = args.channel or Channel.available()
@@ -415,6 +763,48 @@ def main() -> None:
           f"dropped {main_run['receiver_messages_dropped']}")
     if not gpu:
         print("all-TCP workaround: n/a in CPU mode (the engine is tcp already)")
+
+
+def main_dsv41(args) -> None:
+    gpu = args.mode == "gpu"
+    known = [name for name, _, _ in DSV41_CASES]
+    unknown = [c for c in args.cases or [] if c not in known]
+    if unknown:
+        sys.exit(f"error: unknown --case {unknown[0]!r}; choose from {', '.join(known)}")
+    if args.repeat < 1 or args.rounds < 1 or (args.iters is not None and args.iters < 1):
+        sys.exit("error: --repeat, --rounds and --iters must be at least 1")
+    args.channel = args.channel or Channel.available()
+    args.iters = args.iters or (20 if gpu else 3)
+    args.device_mib = args.device_mib or 1
+    args.host_mib = args.host_mib or 1
+    peer_gpu = args.gpu if args.peer_gpu is None else args.peer_gpu
+    protocol = "nvlink_intra" if gpu else "tcp"
+    where = f"GPU {peer_gpu} -> GPU {args.gpu}" if gpu else "127.0.0.1"
+    runs = []
+    for i in range(args.repeat):
+        log(f"[{args.mode}] DeepSeek-V4.1 requests, {protocol}, {where}, run {i + 1} of {args.repeat}")
+        runs.append(run_pair(args, protocol, "device", engine_only=False, peer_gpu=peer_gpu))
+        print_dsv41(runs[-1], f"DeepSeek-V4.1 request pattern, run {i + 1} of {args.repeat} ({args.mode} "
+                    f"mode, {protocol}, {where}; paths in turns, {args.rounds} rounds x {args.iters} requests, "
+                    f"times: median of the round medians, routed/stock: median of the round ratios; "
+                    f"memory: {runs[-1]['memory_backend']})")
+    summary = summarize_dsv41(runs)
+    if args.repeat > 1:
+        print(f"\nover {args.repeat} runs: median [min - max]")
+        print(f"{'request':>16} {'routed/stock':>24} {'stock x contiguous':>24} {'exact':>6}")
+        for e in summary:
+            ros, sxc = e["routed_over_stock"], e["stock_x_contiguous"]
+            print(f"{e['case']:>16} {ros['median']:10.3f} [{ros['min']:.3f} - {ros['max']:.3f}] "
+                  f"{sxc['median']:9.1f}x [{sxc['min']:.1f} - {sxc['max']:.1f}] {str(e['byte_exact']):>6}")
+    worst = min(e["routed_over_stock"]["median"] for e in summary)
+    exact = all(e["byte_exact"] for e in summary)
+    print(f"\nworst routed/stock (median over runs): {worst:.3f}; every request byte-exact: {exact}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": args.mode, "protocol": protocol, "where": where, "rounds": args.rounds,
+                       "iters": args.iters, "runs": runs, "summary": summary}, f, indent=1)
+    if not exact:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Mooncake intra-node NVLink routing on the GPU machine: GPU test, then benchmark.
+# Mooncake intra-node NVLink routing on the GPU machine: GPU test, then benchmarks.
 #
-#   bash test/gpu/run_mooncake_gpu.sh <carried folder>
+#   bash test/gpu/run_mooncake_gpu.sh <carried folder> [all|dsv41] [dsv41 benchmark options]
+#
+# all (default): the GPU test, the block-shape benchmark, then the DeepSeek-V4.1
+# request benchmark three times; dsv41: that benchmark alone, with the options
+# given (default --repeat 3), e.g. --repeat 3 --rounds 5 --json /tmp/dsv41.json.
 #
 # <carried folder> holds wheels/mooncake_transfer_engine_cuda13-0.3.14-cp312-*.whl
-# and debs/*.deb (libibverbs1 librdmacm1 libnuma1 ibverbs-providers, Debian
-# bookworm). The wheel goes into a scratch --target dir, the debs are unpacked
-# with dpkg -x onto LD_LIBRARY_PATH; nothing is installed system-wide.
+# (and, optional, pyzmq / msgspec wheels: the side channel then uses zmq, as
+# sglang does) and debs/*.deb (libibverbs1 librdmacm1 libnuma1 ibverbs-providers,
+# Debian bookworm). The wheels go into a scratch --target dir, the debs are
+# unpacked with dpkg -x onto LD_LIBRARY_PATH; nothing is installed system-wide.
 # Needs python3 with torch (CUDA); imports torch, mooncake, sglang_dsv41.core only.
 set -uo pipefail
 
-CARRY="$(cd "${1:?usage: run_mooncake_gpu.sh <carried folder with wheels/ and debs/>}" && pwd)"
+CARRY="$(cd "${1:?usage: run_mooncake_gpu.sh <carried folder with wheels/ and debs/> [all|dsv41] [options]}" && pwd)"
+WHAT="${2:-all}"
+case "$WHAT" in
+  all|dsv41) ;;
+  *) echo "run_mooncake_gpu.sh: unknown part '$WHAT' (all or dsv41)" >&2; exit 2 ;;
+esac
+shift $(( $# < 2 ? $# : 2 ))
+DSV41_ARGS=("$@")
+[ ${#DSV41_ARGS[@]} -gt 0 ] || DSV41_ARGS=(--repeat 3)
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PYTHON:-python3}"
 WORK="${TMPDIR:-/tmp}/dsv41-mooncake-gpu"
@@ -18,9 +31,11 @@ rm -rf "$WORK" && mkdir -p "$WORK/site" "$WORK/libs"
 
 wheel=$(ls "$CARRY"/wheels/mooncake_transfer_engine_cuda13-*.whl 2>/dev/null | head -1)
 [ -n "$wheel" ] || { echo "no mooncake_transfer_engine_cuda13 wheel under $CARRY/wheels" >&2; exit 2; }
-if ! "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" "$wheel" 2>/dev/null; then
-  "$PY" -m zipfile -e "$wheel" "$WORK/site"  # a wheel is a zip laid out for site-packages
-fi
+for whl in "$wheel" $(ls "$CARRY"/wheels/pyzmq-*.whl "$CARRY"/wheels/msgspec-*.whl 2>/dev/null); do
+  if ! "$PY" -m pip install -q --no-index --no-deps --target "$WORK/site" "$whl" 2>/dev/null; then
+    "$PY" -m zipfile -e "$whl" "$WORK/site"  # a wheel is a zip laid out for site-packages
+  fi
+done
 
 for deb in "$CARRY"/debs/*.deb; do
   if command -v dpkg >/dev/null; then
@@ -64,6 +79,11 @@ fi
 "$PY" -c "import zmq" 2>/dev/null && echo "side channel: zmq" || echo "side channel: socket (no pyzmq)"
 
 status=0
+if [ "$WHAT" = dsv41 ]; then
+  echo "== benchmark: DeepSeek-V4.1 requests, one GPU, two processes"
+  "$PY" benchmarks/mooncake_routing.py --pattern dsv41 --mode gpu --gpu 0 --peer-gpu 0 "${DSV41_ARGS[@]}"
+  exit $?
+fi
 echo "== GPU test: test/gpu/test_mooncake_nvlink_gpu.py"
 "$PY" test/gpu/test_mooncake_nvlink_gpu.py || status=1
 
@@ -76,4 +96,6 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "== benchmark GPU 1 -> GPU 0: skipped (one GPU)"
 fi
+echo "== benchmark: DeepSeek-V4.1 requests, one GPU, two processes"
+"$PY" benchmarks/mooncake_routing.py --pattern dsv41 --mode gpu --gpu 0 --peer-gpu 0 "${DSV41_ARGS[@]}" || status=1
 exit $status

@@ -455,3 +455,62 @@ def test_kind_table_split_asks_fallback_for_unknown_pointers_each_time():
     device, host = table.split(blocks)
     assert len(device) == 100 and host == [(12345, 0, 8), (12345, 1, 8)]
     assert asked == [12345]  # the second block sits in the remembered span of the first
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scale=st.sampled_from([0, 12, 15]),  # byte-sized buffers up to buffers of many granules
+    regions=st.lists(st.tuples(st.integers(0, 1 << 12), st.integers(1, 64), st.booleans()),
+                     min_size=1, max_size=10),
+    picks=st.lists(st.tuples(st.integers(0, 29), st.floats(-0.1, 1.1), st.integers(-2, 2)),
+                   min_size=1, max_size=120),
+)
+def test_kind_table_split_hopping_between_buffers_matches_kind_of(scale, regions, picks):
+    """Blocks hop from buffer to buffer (one page per layer), inside, at and across their
+    edges, twice (the second time from remembered granules); buffers may touch, repeat or
+    nest when they are of one kind."""
+    classified = []
+    for start, size, dev in regions:
+        start, size, kind = start << scale, size << scale, D if dev else H
+        if all(k is kind or not (start < s + n and s < start + size) for s, n, k in classified):
+            classified.append((start, size, kind))
+            if dev:  # a device buffer reported twice, and one starting where it ends
+                classified += [(start, size, kind), (start + size, 64 << scale, kind)]
+    table = KindTable(classified, lambda p: H if p % 3 else D)
+    blocks = []
+    for i, (which, where, nudge) in enumerate(picks):
+        start, size, _ = classified[which % len(classified)]
+        blocks.append((max(start + int(size * where) + nudge, 0), i, 8))
+    want_device, want_host = split_by_source(blocks, table.kind_of)
+    for _ in range(2):
+        device, host = table.split(blocks)
+        assert list(device) == want_device and host == want_host
+
+
+def test_kind_table_remembers_a_bounded_number_of_granules(monkeypatch):
+    from sglang_dsv41.core import mooncake_routing
+
+    monkeypatch.setattr(mooncake_routing, "MAX_REMEMBERED_GRANULES", 5)
+    shift = mooncake_routing.GRANULE_SHIFT
+    buffers = [((i + 1) << 30, 8 << shift, D) for i in range(8)]
+    table = KindTable(buffers + [(1 << 40, 1 << shift, H)], lambda p: pytest.fail("asked"))
+    blocks = [(p + (j << shift), 0, 64) for p, _, _ in buffers for j in range(8)]
+    blocks = blocks[::3] + [(1 << 40, 1, 64)]
+    for _ in range(2):
+        device, host = table.split(blocks)
+        assert host == [(1 << 40, 1, 64)] and device == blocks[:-1]
+    assert len(table._granules) == 5
+
+
+def test_kind_table_batch_across_many_buffers_classifies_each_block():
+    """43 one-page blocks, each from its own buffer, with a host buffer between two of them."""
+    buffers = [((i + 1) << 24, 1 << 20, D) for i in range(43)]
+    host_buffer = ((44 << 24), 1 << 20, H)
+    table = KindTable(buffers + [host_buffer], lambda p: pytest.fail(f"asked about {p:#x}"))
+    blocks = [(p + 4096, 0, 4096) for p, _, _ in buffers]
+    blocks.insert(20, (host_buffer[0] + 8, 1, 64))
+    device, host = table.split(blocks)
+    assert host == [(host_buffer[0] + 8, 1, 64)]
+    assert device == [b for b in blocks if b[1] == 0]
+    first = blocks[:20]
+    assert table.split(first) == (first, []) and table.split(first)[0] is first

@@ -133,6 +133,13 @@ class RegionTable:
         return None if j is None else self._regions[j]
 
 
+# A 64 KiB granule lying wholly inside one segment of known memory remembers
+# that segment, so finding a block's buffer costs one dict look-up instead of a
+# bisection over multi-digit integers; the dict is bounded.
+GRANULE_SHIFT = 16
+MAX_REMEMBERED_GRANULES = 1 << 16
+
+
 class KindTable:
     """Classifies local pointers from regions classified once at registration.
 
@@ -149,6 +156,16 @@ class KindTable:
         kinds = {(int(p), int(n)): k for p, n, k in classified if int(n) > 0}
         self._kinds = [kinds[r] for r in self._table.regions]
         self._fallback = fallback
+        # The table's region edges cut the address space into segments inside
+        # which no region starts or ends, so every pointer of a segment gets the
+        # answer ``kind_of`` gives its first byte: True (device), False (host),
+        # None (no known region: ask ``fallback``). The last segment is open-ended.
+        self._edges = sorted({e for p, n in self._table.regions for e in (p, p + n)})
+        self._edge_kinds: list[Optional[bool]] = []
+        for edge in self._edges:
+            j = self._table.index_containing(edge, 1)
+            self._edge_kinds.append(None if j is None else self._kinds[j] is MemoryKind.DEVICE)
+        self._granules: dict[int, tuple[int, int, bool]] = {}
 
     def kind_of(self, ptr: int) -> MemoryKind:
         j = self._table.index_containing(ptr, 1)
@@ -156,20 +173,15 @@ class KindTable:
             return self._fallback(ptr)
         return self._kinds[j]
 
-    def _span_of(self, ptr: int) -> tuple[int, int, bool]:
-        """(start, end, is_device) of the known region holding ptr, or of ptr alone."""
-        j = self._table.index_containing(ptr, 1)
-        if j is None:
-            return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
-        start, size = self._table._regions[j]
-        return start, start + size, self._kinds[j] is MemoryKind.DEVICE
-
     def split(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[Block]]:
         """Like ``split_by_source``, tuned for the hot path.
 
         Consecutive blocks mostly come from one buffer (upstream builds batches
-        layer by layer), so the last region is remembered and most blocks cost
-        one range test. An all-device batch is returned as it came, uncopied.
+        layer by layer), so the last segment is remembered and most blocks cost
+        one range test; a block from another buffer (the sliding-window state
+        sends one page per layer, each layer its own buffer) costs one granule
+        look-up, or the first time one bisection of the segment edges. An
+        all-device batch is returned as it came, uncopied.
         """
         host_at = self._host_positions(blocks)
         if not host_at:
@@ -179,16 +191,55 @@ class KindTable:
         return device, [blocks[i] for i in host_at]
 
     def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
+        # Inlined: this loop runs once per block of every transfer batch. First
+        # the common case, every source in device memory, with as little work
+        # per block as Python allows; the first host block hands over, with its
+        # span, to the loop that collects positions.
+        granules = self._granules
         lo = hi = 0
         is_device = True
-        host_at: list[int] = []
-        for i, block in enumerate(blocks):
+        for block in blocks:
             src = block[0]
+            if lo <= src < hi:
+                continue
+            span = granules.get(src >> GRANULE_SHIFT)
+            if span is None:
+                span = self._segment_of(int(src))
+            lo, hi, is_device = span
+            if not is_device:
+                break
+        else:
+            return []
+        # the first block equal to this one is this one: an equal block before
+        # it would have had the same source, and stopped the loop there
+        first_host = blocks.index(block)
+        host_at: list[int] = []
+        for i in range(first_host, len(blocks)):
+            src = blocks[i][0]
             if not lo <= src < hi:
-                lo, hi, is_device = self._span_of(int(src))
+                span = granules.get(src >> GRANULE_SHIFT)
+                if span is None:
+                    span = self._segment_of(int(src))
+                lo, hi, is_device = span
             if not is_device:
                 host_at.append(i)
         return host_at
+
+    def _segment_of(self, ptr: int) -> tuple[int, int, bool]:
+        """(start, end, is_device) of ptr's segment, or of ptr alone outside known memory."""
+        k = bisect.bisect_right(self._edges, ptr) - 1
+        known = self._edge_kinds[k] if k >= 0 else None
+        if known is None:
+            return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
+        span = (self._edges[k], self._edges[k + 1], known)
+        granule = ptr >> GRANULE_SHIFT
+        if (
+            span[0] <= granule << GRANULE_SHIFT
+            and (granule + 1) << GRANULE_SHIFT <= span[1]
+            and len(self._granules) < MAX_REMEMBERED_GRANULES
+        ):
+            self._granules[granule] = span
+        return span
 
 
 # --- registration -------------------------------------------------------------
