@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DEBS := libibverbs1 librdmacm1 libnuma1
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup test patches-doc fingerprints
+.PHONY: setup test patches-doc settings-doc fingerprints
 
 setup:
 	@# Mooncake's CPU wheel links against these; install only what is missing.
@@ -21,6 +21,9 @@ test:
 
 patches-doc:
 	$(VENV)/bin/sglang-dsv41 patches-doc --write docs/PATCHES.md
+
+settings-doc:
+	$(VENV)/bin/sglang-dsv41 settings-doc --write README.md
 
 fingerprints:
 	$(VENV)/bin/sglang-dsv41 fingerprint --update

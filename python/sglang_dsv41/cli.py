@@ -303,6 +303,24 @@ def patches_doc_cmd(args) -> int:
     return 0
 
 
+def settings_doc_cmd(args) -> int:
+    from sglang_dsv41.settings import render_table, replace_table
+
+    if not args.write:
+        print(render_table())
+        return 0
+    path = Path(args.write)
+    try:
+        text = path.read_text()
+        updated = replace_table(text)
+    except (OSError, ValueError) as exc:
+        print(f"settings-doc: cannot update {path}: {exc}", file=sys.stderr)
+        return 2
+    path.write_text(updated)
+    print(f"wrote the runtime-switches table in {path}")
+    return 0
+
+
 def plan_cmd(args) -> int:
     from sglang_dsv41.deploy_plan import run as plan_run
 
@@ -347,6 +365,8 @@ def main(argv=None) -> int:
     f.add_argument("--json", action="store_true", help="the comparison as JSON")
     d = sub.add_parser("patches-doc", help="render docs/PATCHES.md from the patch table")
     d.add_argument("--write", metavar="PATH")
+    s = sub.add_parser("settings-doc", help="render the README's runtime-switches table from settings.py")
+    s.add_argument("--write", metavar="README", help="replace the generated table in this file")
     pl = sub.add_parser("plan", help="check docker compose topologies offline")
     from sglang_dsv41.deploy_plan import add_arguments as add_plan_arguments
 
@@ -369,6 +389,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
                "patches-doc": patches_doc_cmd, "plan": plan_cmd, "smoke": smoke_cmd,
+               "settings-doc": settings_doc_cmd,
                "upgrade-check": upgrade_check_cmd}[args.cmd]
     return handler(args)
 
