@@ -102,9 +102,16 @@ def _environment(extra: dict):
         os.environ.update(saved)
 
 
+def _guard_counts() -> dict:
+    from sglang_dsv41.core import plugin_metrics
+
+    return dict(plugin_metrics.totals().get("launch_guards_applied", {}))
+
+
 def _resolve(build) -> dict:
     records = _Records()
     out = {"ok": False, "refusal": None, "error": None}
+    counted_before = _guard_counts()
     try:
         server_args = build()
         # After parsing: sglang's logging setup there replaces the root handlers.
@@ -129,6 +136,9 @@ def _resolve(build) -> dict:
     finally:
         logging.getLogger().removeHandler(records)
     out["guard_log"] = [line for line in records.lines if line.startswith(GUARD_LOG_PREFIX)]
+    counted = _guard_counts()
+    out["guard_counted"] = {rule: n - counted_before.get(rule, 0) for rule, n in counted.items()
+                            if n != counted_before.get(rule, 0)}
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.cp_bcg_rules import cp_bcg_enabled
 from sglang_dsv41.core.known_crashes import (
     CrashFeatures,
@@ -75,3 +76,5 @@ def guard_resolved_layout(server_args, previous) -> None:
 
         declare_resolution(server_args, _DECLARATION_SOURCE, enable_decoder_swa_bounded_replay=False)
         logger.warning(verdict.message)
+        # Kept until the launcher decides on metrics (a refusal exits before any export).
+        plugin_metrics.count_launch_guard(verdict.rule)
