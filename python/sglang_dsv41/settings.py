@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_dsv41._pin import ALLOW_DRIFT_ENV
-from sglang_dsv41.core.cp_bcg_rules import CP_BCG_ENV
+from sglang_dsv41.core.known_crashes import CP_BCG_OPT_IN_ENV as CP_BCG_ENV
 from sglang_dsv41.core.mooncake_routing import NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV
 from sglang_dsv41.core.owner_routing import ENV_MIN_SAVING, ENV_MODE, ENV_PER_IMAGE_COST
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-CP_BCG_ENV = "SGLANG_DSV41_CP_BCG"
+# The one name, shared with the launch guard's rules (which must import without
+# this module's load-time check: `plan` imports them in the operator's shell).
+from sglang_dsv41.core.known_crashes import CP_BCG_OPT_IN_ENV as CP_BCG_ENV  # noqa: E402
 
 
 def parse_cp_bcg_setting(raw: str | None) -> bool:

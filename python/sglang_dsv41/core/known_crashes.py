@@ -29,7 +29,7 @@ from dataclasses import dataclass
 # Opt-in to the DeepSeek-V4 prefill-CP breakable CUDA graph this package can
 # carry. Under it an explicit breakable prefill graph with prefill CP is replayed,
 # so the guard lets it through.
-from sglang_dsv41.core.cp_bcg_rules import CP_BCG_ENV as CP_BCG_OPT_IN_ENV  # noqa: E402
+CP_BCG_OPT_IN_ENV = "SGLANG_DSV41_CP_BCG"
 
 REPLAY_FLAG = "--enable-decoder-swa-bounded-replay"
 NO_REPLAY_FLAG = "--no-enable-decoder-swa-bounded-replay"

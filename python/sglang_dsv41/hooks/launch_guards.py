@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 from sglang_dsv41.core import plugin_metrics
-from sglang_dsv41.core.cp_bcg_rules import cp_bcg_enabled
 from sglang_dsv41.core.known_crashes import (
     CrashFeatures,
     GuardAction,
@@ -56,8 +55,16 @@ def crash_features(server_args) -> CrashFeatures | None:
         prefill_graph_backend=str(getattr(prefill_backend, "value", prefill_backend)),
         prefill_graph_requested=(Phase.PREFILL, "backend") in locked,
         cp_graph_supported=bool(prefill_cp and supports_prefill_cp_bcg(server_args)),
-        cp_graph_opt_in=cp_bcg_enabled(),
+        cp_graph_opt_in=_cp_bcg_enabled(),
     )
+
+
+def _cp_bcg_enabled() -> bool:
+    # Imported here: the setting's module checks its value at import, and a bad
+    # value must stop plugin load naming the CP-graph patches, not this one.
+    from sglang_dsv41.core.cp_bcg_rules import cp_bcg_enabled
+
+    return cp_bcg_enabled()
 
 
 def guard_resolved_layout(server_args, previous) -> None:
