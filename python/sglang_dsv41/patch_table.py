@@ -79,6 +79,34 @@ PATCHES: tuple[Patch, ...] = (
         signature="(self, server_args: ServerArgs, port_args: PortArgs, run_scheduler_process_func: Callable, prelaunched_schedulers: dict[tuple[int, int], tuple[int, Connection]] | None=None)",
         ast_sha="3456bfad1061e316",
     ),
+    Patch(
+        id="ACT-DETOK-ROUTER",
+        group="activation",
+        target="sglang.srt.managers.multi_tokenizer_mixin.MultiDetokenizerRouter.__init__",
+        kind=HookKind.BEFORE,
+        hook=f"{_ACT}:verify_detokenizer_router",
+        roles=roles(Role.DETOKENIZER_ROUTER),
+        reason="With --detokenizer-worker-num > 1 a router process fans scheduler output out "
+        "to the detokenizers; the first object it builds verifies its patches.",
+        source="this package",
+        signature="(self, ipc_name_list: List[str], port_args: PortArgs)",
+        ast_sha="fccf5d654a07b01e",
+    ),
+    Patch(
+        id="ACT-DETOK-ROUTER-LOAD",
+        group="activation",
+        target="sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses",
+        kind=HookKind.AROUND,
+        hook=f"{_ACT}:around_launch_detokenizers",
+        roles=roles(Role.LAUNCHER),
+        reason="The detokenizer router process never calls load_plugins() in sglang 0.5.23. "
+        "While the launcher starts the detokenizers, the engine module's name for the router "
+        "process body points at a module-level function of ours that loads plugins first and "
+        "then runs upstream's; the fingerprint pins the launch body that reads that name.",
+        source="this package",
+        signature="(cls, server_args: ServerArgs, port_args: PortArgs, run_detokenizer_process_func: Callable)",
+        ast_sha="9c712b92a1f77ca5",
+    ),
     # --- vision-cp: DeepSeek-V4.1 vision with prefill context parallelism
     Patch(
         id="VCP-ARGS",
