@@ -80,7 +80,7 @@ PATCHES: tuple[Patch, ...] = (
         ast_sha="3456bfad1061e316",
     ),
     Patch(
-        id="ACT-DETOK-ROUTER",
+        id="ACT-DTR-VERIFY",
         group="activation",
         target="sglang.srt.managers.multi_tokenizer_mixin.MultiDetokenizerRouter.__init__",
         kind=HookKind.BEFORE,
@@ -93,7 +93,7 @@ PATCHES: tuple[Patch, ...] = (
         ast_sha="fccf5d654a07b01e",
     ),
     Patch(
-        id="ACT-DETOK-ROUTER-LOAD",
+        id="ACT-DTR-START",
         group="activation",
         target="sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses",
         kind=HookKind.AROUND,
