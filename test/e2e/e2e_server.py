@@ -40,6 +40,8 @@ STATUS_LINE = re.compile(
     r"patches applied=(?P<applied>\d+)/(?P<owed>\d+) owed"
 )
 PLUGIN_MARK = "[sglang-dsv41]"
+# uvicorn logs this (with a handler of its own) once a worker's app has started.
+WORKER_STARTED = "Application startup complete."
 # A 1x1 PNG: a text-only model never decodes it, but the request carries media.
 PNG_1x1 = "data:image/png;base64," + base64.b64encode(
     bytes.fromhex(
@@ -186,17 +188,19 @@ class Server:
         ]
 
     def wait_for_roles(self, counts: dict[str, int], timeout: float) -> None:
-        """Wait until the log holds at least ``counts[role]`` status lines per role.
+        """Wait until the log holds ``counts[role]`` status lines per role, or every
+        tokenizer worker has finished starting (its line, if any, comes before).
 
-        The tokenizer workers and the detokenizer router may still be starting
-        when /health first answers; the assertions come after, in the tests.
+        The other roles log theirs before /health answers; the tokenizer workers
+        may still be importing sglang then. The assertions come after, in the tests.
         """
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            seen = [line.role for line in self.status_lines()]
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            log = self.log()
+            seen = [m["role"] for m in STATUS_LINE.finditer(log)]
             if all(seen.count(role) >= n for role, n in counts.items()):
                 return
-            if self.proc.poll() is not None:
+            if log.count(WORKER_STARTED) >= self.tokenizer_workers:
                 return
             time.sleep(2)
 
