@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pkgutil
 
 from sglang_dsv41.patch_spec import HookKind, Patch, Role
 from sglang_dsv41.patch_table import owed_to
@@ -31,7 +30,9 @@ def _closure_values(fn) -> list:
 
 
 def _current_attribute(patch: Patch):
-    owner = pkgutil.resolve_name(patch.owner_path)
+    from sglang_dsv41.loader import resolve_upstream
+
+    owner = resolve_upstream(patch.owner_path)
     if isinstance(owner, type):
         raw = owner.__dict__.get(patch.attribute)
         if isinstance(raw, (classmethod, staticmethod)):
@@ -64,12 +65,25 @@ def is_installed(patch: Patch, hook) -> bool:
     return False
 
 
-def role_status(role: Role) -> tuple[list[Patch], list[Patch]]:
-    from sglang_dsv41.loader import registered_hook
+def _installed_or_why_not(patch: Patch) -> str | None:
+    """None when installed, else why not (the import error when the module fails)."""
+    from sglang_dsv41.loader import UpstreamImportError, registered_hook
 
+    try:
+        return None if is_installed(patch, registered_hook(patch.id)) else ""
+    except UpstreamImportError as exc:
+        return str(exc)
+
+
+def _describe_missing(patch: Patch) -> str:
+    why = _installed_or_why_not(patch)
+    return f"{patch.id} ({patch.target}; {why})" if why else f"{patch.id} ({patch.target})"
+
+
+def role_status(role: Role) -> tuple[list[Patch], list[Patch]]:
     applied, missing = [], []
     for patch in owed_to(role):
-        (applied if is_installed(patch, registered_hook(patch.id)) else missing).append(patch)
+        (applied if _installed_or_why_not(patch) is None else missing).append(patch)
     return applied, missing
 
 
@@ -85,7 +99,7 @@ def verify_role(role: Role) -> None:
         f"patches applied={len(applied)}/{owed} owed"
     )
     if missing:
-        detail = ", ".join(f"{p.id} ({p.target})" for p in missing)
+        detail = ", ".join(_describe_missing(p) for p in missing)
         if not drift_allowed():
             logger.critical("%s; NOT ACTIVE: %s", line, detail)
             raise PatchNotActive(f"{line}; not active in this process: {detail}")

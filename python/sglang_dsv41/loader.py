@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import pkgutil
 
 from sglang_dsv41 import checks
+from sglang_dsv41 import fingerprint as fp
 from sglang_dsv41._pin import ALLOW_DRIFT_ENV
 from sglang_dsv41.patch_spec import HookKind, Patch
 from sglang_dsv41.patch_table import PATCHES
@@ -27,6 +27,86 @@ INNER_APP_PATH_ENV = "SGLANG_DSV41_INNER_APP_PATH"
 
 _activated = False
 _registered: dict[str, object] = {}  # patch id -> the callable we installed
+_OWN_HANDLER_FLAG = "_sglang_dsv41_own_handler"
+
+
+def configure_own_logger() -> None:
+    """Give the ``sglang_dsv41`` logger a handler of its own, at INFO.
+
+    Some sglang processes (multi-tokenizer HTTP workers, the detokenizer
+    router) leave the root logger at WARNING, where a status line that relied
+    on the root handler was dropped. Only our logger is configured, never the
+    user's root logger; it stops propagating so that processes whose root
+    logger prints INFO do not print our lines twice. A handler someone else
+    attached to our logger (a logging config file) is left alone.
+    """
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()  # stderr, like the root handler sglang sets up
+    handler.setFormatter(
+        logging.Formatter("[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    )
+    setattr(handler, _OWN_HANDLER_FLAG, True)
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class UpstreamImportError(ImportError):
+    """An upstream module a patch targets could not be imported; names the real error."""
+
+
+def upstream_module_name(target: str) -> str:
+    """The importable module part of a dotted upstream path (found on disk, no import)."""
+    _path, inside = fp.locate(target)
+    parts = target.split(".")
+    return ".".join(parts[: len(parts) - len(inside)])
+
+
+def resolve_upstream(target: str):
+    """The live upstream object at ``target``.
+
+    ``pkgutil.resolve_name`` swallows the ImportError of a module that fails to
+    import and reports a missing attribute of its parent package instead
+    (``module 'sglang.srt.models' has no attribute 'deepseek_v4'``). Importing
+    the module that holds the source explicitly keeps the real error.
+    """
+    module_name = upstream_module_name(target)
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:
+        raise UpstreamImportError(
+            f"cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from exc
+    for name in target[len(module_name) + 1:].split(".") if target != module_name else ():
+        obj = getattr(obj, name)
+    return obj
+
+
+def import_problems(patches) -> list[checks.Problem]:
+    """One problem per patch whose upstream module does not import, naming the error."""
+    failed: dict[str, str] = {}
+    found = []
+    for patch in patches:
+        try:
+            module_name = upstream_module_name(patch.fingerprint_target)
+        except fp.TargetNotFound:
+            continue  # reported by the fingerprint checks
+        if module_name not in failed:
+            try:
+                importlib.import_module(module_name)
+                failed[module_name] = ""
+            except Exception as exc:
+                failed[module_name] = f"{type(exc).__name__}: {exc}"
+        if failed[module_name]:
+            found.append(
+                checks.Problem(
+                    patch.id, patch.target,
+                    f"cannot import {module_name}: {failed[module_name]}",
+                )
+            )
+    return found
 
 
 def drift_allowed() -> bool:
@@ -60,7 +140,7 @@ def _register(patch: Patch) -> None:
 
         register_resolution_hook(patch.resolution_step)(fn)
     elif patch.kind is HookKind.NEW_ATTRIBUTE:
-        owner = pkgutil.resolve_name(patch.owner_path)
+        owner = resolve_upstream(patch.owner_path)
         if hasattr(owner, patch.attribute) and getattr(owner, patch.attribute) is not fn:
             raise _fail(
                 [f"patch {patch.id} ({patch.target}): upstream already defines "
@@ -91,14 +171,19 @@ def activate() -> None:
     global _activated
     if _activated:
         return
-    problems = checks.all_problems(PATCHES)
+    configure_own_logger()
+    # A target module that fails to import (a hardware library missing, say)
+    # stops the process naming the real error; sglang's own hook application
+    # imports these modules right after us anyway.
+    problems = checks.all_problems(PATCHES) + import_problems(PATCHES)
     if problems:
         if not drift_allowed():
             raise _fail([str(p) for p in problems])
         for p in problems:
             logger.warning("[sglang-dsv41] DRIFT ALLOWED by %s=1: %s", ALLOW_DRIFT_ENV, p)
     drifted_missing = {
-        p.patch_id for p in problems if p.patch_id and "not found" in p.message
+        p.patch_id for p in problems
+        if p.patch_id and ("not found" in p.message or p.message.startswith("cannot import"))
     }
     for patch in PATCHES:
         if patch.id in drifted_missing:

@@ -30,6 +30,8 @@ class Role(str, enum.Enum):
     TOKENIZER_WORKER = "tokenizer_worker"  # multi-tokenizer HTTP worker processes
     DETOKENIZER = "detokenizer"
     DP_CONTROLLER = "dp_controller"
+    # with --detokenizer-worker-num > 1: fans scheduler output out to the detokenizers
+    DETOKENIZER_ROUTER = "detokenizer_router"
 
 
 @dataclass(frozen=True)

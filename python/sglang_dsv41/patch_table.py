@@ -104,6 +104,40 @@ PATCHES: tuple[Patch, ...] = (
         "reports, in every process role, which hooks are installed; until then this "
         "check is the only proof that a process runs patched code",
     ),
+    Patch(
+        id="ACT-DTR-VERIFY",
+        group="activation",
+        target="sglang.srt.managers.multi_tokenizer_mixin.MultiDetokenizerRouter.__init__",
+        kind=HookKind.BEFORE,
+        hook=f"{_ACT}:verify_detokenizer_router",
+        roles=roles(Role.DETOKENIZER_ROUTER),
+        reason="With --detokenizer-worker-num > 1 a router process fans scheduler output out "
+        "to the detokenizers; the first object it builds verifies its patches.",
+        source="this package",
+        signature="(self, ipc_name_list: List[str], port_args: PortArgs)",
+        ast_sha="1cc7ee711839c251",
+        depends_on="signature",
+        upstream=None,
+        remove_when="sglang's plugin loader stops a process whose hooks failed to apply and "
+        "reports, in every process role, which hooks are installed",
+    ),
+    Patch(
+        id="ACT-DTR-START",
+        group="activation",
+        target="sglang.srt.entrypoints.engine.Engine._launch_detokenizer_subprocesses",
+        kind=HookKind.AROUND,
+        hook=f"{_ACT}:around_launch_detokenizers",
+        roles=roles(Role.LAUNCHER),
+        reason="The detokenizer router process never calls load_plugins() in sglang 0.5.23. "
+        "While the launcher starts the detokenizers, the engine module's name for the router "
+        "process body points at a module-level function of ours that loads plugins first and "
+        "then runs upstream's; the fingerprint pins the launch body that reads that name.",
+        source="this package",
+        signature="(cls, server_args: ServerArgs, port_args: PortArgs, run_detokenizer_process_func: Callable)",
+        ast_sha="139308172d1b8ef9",
+        upstream=None,
+        remove_when="sglang's detokenizer router process calls load_plugins() itself",
+    ),
     # --- vision-cp: DeepSeek-V4.1 vision with prefill context parallelism
     Patch(
         id="VCP-ARGS",

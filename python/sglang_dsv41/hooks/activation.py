@@ -10,6 +10,11 @@ from sglang_dsv41.activation import role_status, verify_role
 from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.patch_spec import Role
 
+# The launcher starts the detokenizer router through this module-level name of
+# the engine module; the router process never calls load_plugins() itself.
+ROUTER_TARGET_MODULE = "sglang.srt.entrypoints.engine"
+ROUTER_TARGET_NAME = "run_multi_detokenizer_router_process"
+
 _reported: set = set()
 
 
@@ -45,3 +50,40 @@ def verify_detokenizer(self, *args, **kwargs):
 
 def verify_dp_controller(self, *args, **kwargs):
     _verify(Role.DP_CONTROLLER, args, kwargs)
+
+
+def verify_detokenizer_router(self, *args, **kwargs):
+    _verify(Role.DETOKENIZER_ROUTER, args, kwargs)
+
+
+def run_detokenizer_router_with_plugins(*args, **kwargs):
+    """Body of the detokenizer router process: load plugins, then run upstream's.
+
+    Module level, so the spawned process unpickles it by this name and imports
+    this package rather than only the upstream function.
+    """
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.managers import multi_tokenizer_mixin
+
+    return multi_tokenizer_mixin.run_multi_detokenizer_router_process(*args, **kwargs)
+
+
+def around_launch_detokenizers(original, *args, **kwargs):
+    """AROUND Engine._launch_detokenizer_subprocesses: start the router through us.
+
+    sglang 0.5.23 starts the router process without load_plugins(), so that
+    role would run with no plugin at all. For the duration of the launch the
+    engine module's name for the router body points at our wrapper; the
+    detokenizer workers are started exactly as before.
+    """
+    import importlib
+
+    engine = importlib.import_module(ROUTER_TARGET_MODULE)
+    upstream = getattr(engine, ROUTER_TARGET_NAME)  # AttributeError: fails the launch loudly
+    setattr(engine, ROUTER_TARGET_NAME, run_detokenizer_router_with_plugins)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        setattr(engine, ROUTER_TARGET_NAME, upstream)
