@@ -88,6 +88,7 @@ class Server:
         detokenizer_workers: int = 1,
         plugin: bool = True,
         embedding: bool = False,
+        metrics: bool = False,
     ):
         self.model = model
         self.workdir = workdir
@@ -95,6 +96,7 @@ class Server:
         self.detokenizer_workers = detokenizer_workers
         self.plugin = plugin
         self.embedding = embedding
+        self.metrics = metrics
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
@@ -140,6 +142,8 @@ class Server:
         ]
         if self.embedding:
             cmd.append("--is-embedding")
+        if self.metrics:
+            cmd.append("--enable-metrics")
         return cmd
 
     def start(self) -> "Server":

@@ -164,7 +164,7 @@ def test_a_text_server_passes_with_one_line(tmp_path):
     assert len(lines) == 2 and lines[0].startswith(f"[ok  ] {server.url}: health ok")
     assert "image: the server does not understand images" in lines[0]
     n = len(owed_to(Role.SCHEDULER))
-    assert f"metrics: plugin active: launcher" in lines[0] and f"scheduler {n}/{n}" in lines[0]
+    assert "metrics: plugin active: launcher" in lines[0] and f"scheduler {n}/{n}" in lines[0]
     assert lines[1] == "smoke: OK (1/1 servers passed)"
     chats = [body for path, body in server.requests if path == "/v1/chat/completions"]
     assert len(chats) == 1 and chats[0]["model"] == "DeepSeek-V4.1-Flash"
@@ -310,19 +310,5 @@ def test_compose_files_that_cannot_be_checked_are_one_line_and_exit_2(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
-# ---------------------------------------------------------------- real server hook
-def assert_smoke_passes_against(url: str, *, vision: bool) -> dict:
-    """The check a real sglang server must pass: for the lead to call from a
-    test that has a running CPU sglang server with the plugin and
-    ``--enable-metrics`` (the end-to-end server fixture of test/e2e)."""
-    rc, report = smoke_json("--timeout", "300", url)
-    assert rc == 0, report
-    checks = checks_of(report["servers"][0])
-    assert checks["metrics"][0] == "ok"
-    assert checks["image"][0] == ("ok" if vision else "skip")
-    return report
-
-
-def test_smoke_against_a_real_sglang_server():
-    pytest.skip("needs the CPU sglang server of test/e2e (not on this branch): start it with "
-                "--enable-metrics and call assert_smoke_passes_against(server_url, vision=...)")
+# The real-server case (a CPU sglang server with --enable-metrics) is in
+# test/e2e/test_e2e_workers.py::test_smoke_passes_against_the_real_server.

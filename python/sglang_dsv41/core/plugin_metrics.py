@@ -89,7 +89,10 @@ SERIES: Tuple[Series, ...] = (
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
     Series("launch_guards_applied", "counter", "rule",
-           "Launch guards that changed or refused a server's arguments, per rule.",
+           "Launch guards that turned a crash-prone default off, per rule. Counted in the "
+           "launcher, whose values sglang 0.5.23 keeps off /metrics (it imports "
+           "prometheus_client there before setting the multiprocess directory; the plugin "
+           "logs a warning), so today the series stays empty; the guard's log line is the record.",
            "the guard's rule name"),
 )
 BY_NAME: Dict[str, Series] = {s.name: s for s in SERIES}
