@@ -241,7 +241,7 @@ def test_inactive_profiles_are_skipped_and_active_ones_checked(results):
     assert "skipping services of inactive profiles: debug (debug)" in skipped["output"]
     active = results["hole:profile-active"]
     assert active["rc"] == 1
-    assert "profile-overlap.yml/debug: GPU 0 is also used by profile-overlap.yml/sglang (host local)" in \
+    assert "profile-overlap.yml/debug: GPUs 0,1 are also used by profile-overlap.yml/sglang (host local)" in \
         _errors(active["output"])
 
 
