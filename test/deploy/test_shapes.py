@@ -164,11 +164,17 @@ def _deployment_dir(root: Path, name: str, env: tuple[tuple[str, str], ...]) -> 
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("shapes")
     cases: dict[str, list[str]] = {}
+    # The node's one Mooncake master runs from its own folder: a second
+    # deployment's COMPOSE_PROJECT_NAME must not rename the master's project
+    # (README, "Two deployments of one file").
+    node = _deployment_dir(root, "node", ())
     for n, row in enumerate(ROWS):
         if row.case in cases:
             continue  # rows that share files and .env change are one plan run
         folder = _deployment_dir(root, f"row{n}", row.env)
-        cases[row.case] = [str(folder / f) for f in row.files]
+        renamed = any(key == "COMPOSE_PROJECT_NAME" for key, _ in row.env)
+        cases[row.case] = [str((node if renamed and f == "mooncake-master.yml" else folder) / f)
+                           for f in row.files]
     # Two L3 deployments of one file on one node sharing the node's master.
     first = next(r for r in ROWS if r.original == "dockerserve-cpdspark-l3.yml")
     second = next(r for r in ROWS if r.original == "dockerserve-cpdspark-l3-b4.yml")
@@ -176,7 +182,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
     b = _deployment_dir(root, "l3-b", second.env)
     cases["two-l3"] = [str(a / "mooncake-master.yml"), str(a / "cp-dspark-l3.yml"), str(b / "cp-dspark-l3.yml")]
     # The same pair without the second one's GPU and port change must collide.
-    c = _deployment_dir(root, "l3-c", first.env)
+    c = _deployment_dir(root, "l3-c", first.env + (("COMPOSE_PROJECT_NAME", "ds41-cp-dspark-l3-c"),))
     cases["two-l3-colliding"] = [str(a / "mooncake-master.yml"), str(a / "cp-dspark-l3.yml"), str(c / "cp-dspark-l3.yml")]
     # An L3 file without the master file: plan finds no master.
     cases["l3-without-master"] = [str(a / "cp-dspark-l3.yml")]
