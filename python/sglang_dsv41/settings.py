@@ -72,5 +72,7 @@ def render_table() -> str:
 
 def replace_table(readme_text: str) -> str:
     """The README text with its generated table replaced by the current one."""
+    if BEGIN not in readme_text or END not in readme_text:
+        raise ValueError("it has no generated runtime-switches table (the begin and end markers)")
     start, end = readme_text.index(BEGIN), readme_text.index(END) + len(END)
     return readme_text[:start] + render_table() + readme_text[end:]
