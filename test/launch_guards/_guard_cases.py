@@ -115,7 +115,10 @@ def _resolve(build) -> dict:
     try:
         server_args = build()
         # After parsing: sglang's logging setup there replaces the root handlers.
+        # The plugin's logger has its own handler and does not propagate, so
+        # listen there too (what a user sees on stderr).
         logging.getLogger().addHandler(records)
+        logging.getLogger("sglang_dsv41").addHandler(records)
         server_args.resolve_once()
         view = resolved_view(server_args)
         verdict = getattr(server_args, GUARD_ATTRIBUTE, None)
@@ -135,6 +138,7 @@ def _resolve(build) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         logging.getLogger().removeHandler(records)
+        logging.getLogger("sglang_dsv41").removeHandler(records)
     out["guard_log"] = [line for line in records.lines if line.startswith(GUARD_LOG_PREFIX)]
     counted = _guard_counts()
     out["guard_counted"] = {rule: n - counted_before.get(rule, 0) for rule, n in counted.items()
@@ -178,9 +182,13 @@ def run_kwarg_cases():
 def _plan_output(path: str) -> tuple[int, str]:
     from sglang_dsv41.deploy_plan import main
 
+    # A topology is planned with the node's shared Mooncake master beside it,
+    # as it is deployed.
+    master = os.path.join(os.path.dirname(path), "mooncake-master.yml")
+    files = [master, path] if os.path.exists(master) else [path]
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        rc = main([path])
+        rc = main(files)
     return rc, buffer.getvalue()
 
 
