@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
-import threading
+import subprocess
+import sys
 import time
 
 import pytest
@@ -54,30 +56,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_SERVER = """
+import sys, uvicorn
+from fastapi import FastAPI
+from sglang.srt.utils import add_prometheus_middleware
+app = FastAPI()
+add_prometheus_middleware(app)
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error")
+"""
+
+
 @contextlib.contextmanager
 def sglang_metrics_server(directory, monkeypatch):
-    """sglang's own /metrics mount on a FastAPI app, served on 127.0.0.1."""
-    import uvicorn
-    from fastapi import FastAPI
+    """sglang's own /metrics mount on a FastAPI app, served on 127.0.0.1.
 
-    from sglang.srt.utils import add_prometheus_middleware
-
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
-    app = FastAPI()
-    add_prometheus_middleware(app)
+    In a process of its own: importing prometheus_client in multiprocess mode
+    here would leave this test process's later sglang imports creating their
+    metrics under a directory that is gone.
+    """
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(directory))
+    env.pop("SGLANG_PLUGINS", None)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    proc = subprocess.Popen([sys.executable, "-c", METRICS_SERVER, str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"metrics server exited: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the metrics server did not start"
+            try:
+                requests.get(f"{url}/metrics", timeout=2)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        yield url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def samples(text: str) -> dict:
