@@ -564,6 +564,56 @@ def _print_layouts(plan: Plan) -> None:
               + ", ".join(targets))
     for master in plan.masters:
         print(f"{master.service.label} [host {master.service.host}] Mooncake master on port {master.rpc_port}")
+    if plan.servers:
+        print()
+        print("\n".join(server_table(plan)))
+
+
+def _gpu_ranges(gpus) -> str:
+    """'0,1,2,3,6' -> '0-3,6' (ids that are not plain integers are listed as they are)."""
+    if not gpus:
+        return "?"
+    if not all(g.isdigit() for g in gpus):
+        return ",".join(gpus)
+    ids, parts = sorted(int(g) for g in gpus), []
+    start = prev = ids[0]
+    for gpu in ids[1:] + [None]:
+        if gpu is not None and gpu == prev + 1:
+            prev = gpu
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if gpu is not None:
+            start = prev = gpu
+    return ",".join(parts)
+
+
+_GUARD_SHORT = {"no known-crash rule applies": "-"}
+
+
+def server_table(plan: Plan) -> list[str]:
+    """One row per resolved server: where it runs, its layout, and what was decided for it."""
+    header = ("server", "host", "GPUs", "port", "layout", "PD", "DSpark", "prefill graph", "launch guard")
+    rows = [header]
+    for server in plan.servers:
+        svc, lay = server.service, server.layout
+        gpus, _ = used_gpus(server)
+        layout = f"TP{lay.tp_size} EP{lay.ep_size}"
+        if lay.attn_dp_size > 1:
+            layout += f" attnDP{lay.attn_dp_size}"
+        if lay.attn_cp_size > 1:
+            layout += f" CP{lay.attn_cp_size}"
+        if lay.hierarchical_cache:
+            layout += " +L3" if lay.hicache_storage_backend else " +L2"
+        if not lay.vision:
+            layout += " text"
+        pd = {"null": "-", "prefill": f"prefill:{lay.bootstrap_port}"}.get(lay.disaggregation_mode,
+                                                                          lay.disaggregation_mode)
+        guard = _guard_decisions.get(svc.label, "not run")
+        rows.append((svc.label, svc.host, _gpu_ranges(gpus), str(lay.port), layout, pd,
+                     "on" if lay.dspark else "-", _prefill_graphs.get(svc.label, "?"),
+                     _GUARD_SHORT.get(guard, guard)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
 
 
 if __name__ == "__main__":

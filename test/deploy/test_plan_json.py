@@ -53,3 +53,31 @@ def test_resolved_servers_and_grouped_gpu_conflicts():
         {"service": "gpu-overlap.yml/b", "reason": "GPU 1 is also used by gpu-overlap.yml/a (host local)"}]
     # Progress goes to stderr; sglang's import noise goes nowhere.
     assert "loading sglang" in stderr and "UserWarning" not in stderr
+
+
+def test_gpu_ranges_are_compact():
+    from sglang_dsv41.deploy_plan import _gpu_ranges
+
+    assert _gpu_ranges(("0", "1", "2", "3", "6")) == "0-3,6"
+    assert _gpu_ranges(("4",)) == "4"
+    assert _gpu_ranges(("GPU-abc", "GPU-def")) == "GPU-abc,GPU-def"
+    assert _gpu_ranges(()) == "?"
+
+
+@pytest.mark.timeout(900)
+def test_text_output_ends_with_one_table_row_per_server():
+    env = dict(os.environ)
+    env.pop("SGLANG_PLUGINS", None)
+    env.update(IMAGE="registry.invalid/sglang-dsv41:test", MODEL_PATH="/data/models/DeepSeek-V4.1-Flash",
+               SGLANG_CACHE_DIR="/data/cache/sglang")
+    done = subprocess.run([sys.executable, "-m", "sglang_dsv41.cli", "plan", str(BAD / "gpu-overlap.yml")],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO_ROOT)
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    header = next(n for n, line in enumerate(lines) if line.startswith("server "))
+    assert lines[header].split() == ["server", "host", "GPUs", "port", "layout", "PD", "DSpark",
+                                     "prefill", "graph", "launch", "guard"]
+    rows = [line.split() for line in lines[header + 1:header + 3]]
+    assert [r[:4] for r in rows] == [["gpu-overlap.yml/a", "local", "0-1", "30010"],
+                                     ["gpu-overlap.yml/b", "local", "1-2", "30020"]]
+    assert all(r[-1] == "-" for r in rows)
