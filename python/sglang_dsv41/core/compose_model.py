@@ -641,14 +641,7 @@ class _Loader:
         tree = {_key_text(k, shown): v for k, v in tree.items()}
         tree = _interpolate_tree(tree, self.lookup, path.name, self.budget)
         services: dict[str, dict] = {}
-        for raw_name, body in _mapping(tree.get("services"), shown, "services").items():
-            name = _key_text(raw_name, shown)
-            if not _SERVICE_NAME.match(name):
-                raise ComposeError(f"{shown}: {_show(name)} is not a valid service name")
-            where = f"{shown}: service {name}"
-            if not isinstance(body, dict):
-                raise ComposeError(f"{where}: a service must be a mapping, not {_kind(body)}")
-            body = {_key_text(k, where): v for k, v in body.items()}
+        for name, where, body in _service_entries(tree, shown):
             services[name] = _absolute_binds(body, path.parent, where)
         doc = _Document(path, services, tree, shown=shown)
         doc.origin = {name: doc for name in services}
@@ -719,6 +712,18 @@ def project_lookup(compose_file: Path, environ: Mapping[str, str],
         return file_values.get(name)
 
     return lookup, env_path
+
+
+def _service_entries(tree: dict, shown: str):
+    """(name, where, body) of each service of a compose tree, names and shapes checked."""
+    for raw_name, body in _mapping(tree.get("services"), shown, "services").items():
+        name = _key_text(raw_name, shown)
+        if not _SERVICE_NAME.match(name):
+            raise ComposeError(f"{shown}: {_show(name)} is not a valid service name")
+        where = f"{shown}: service {name}"
+        if not isinstance(body, dict):
+            raise ComposeError(f"{where}: a service must be a mapping, not {_kind(body)}")
+        yield name, where, {_key_text(k, where): v for k, v in body.items()}
 
 
 def _normalize_project_name(text: str) -> str:
@@ -832,14 +837,7 @@ def _load_compose_config(text: str, path: Path, shown: str) -> Project:
         raise ComposeError(f"{shown}: no top-level name: this is not `docker compose config` output")
     project = Project(name, path, [], {}, None)
     env_cache: dict[Path, dict[str, str]] = {}
-    for raw_name, body in _mapping(tree.get("services"), shown, "services").items():
-        service_name = _key_text(raw_name, shown)
-        if not _SERVICE_NAME.match(service_name):
-            raise ComposeError(f"{shown}: {_show(service_name)} is not a valid service name")
-        where = f"{shown}: service {service_name}"
-        if not isinstance(body, dict):
-            raise ComposeError(f"{where}: a service must be a mapping, not {_kind(body)}")
-        body = {_key_text(k, where): v for k, v in body.items()}
+    for service_name, where, body in _service_entries(tree, shown):
         if "extends" in body:
             raise ComposeError(f"{where}: still has extends: this is not `docker compose config` output")
         body.pop("env_file", None)  # compose config has already merged env files into environment
