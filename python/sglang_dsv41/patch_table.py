@@ -373,6 +373,40 @@ PATCHES: tuple[Patch, ...] = (
         upstream=None,
         remove_when="the mooncake-nvlink group goes (see MC-NVL-REGIONS)",
     ),
+    Patch(
+        id="MC-KVS-GRANT",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.common.conn.CommonKVReceiver._send_bootstrap_message",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_send_bootstrap_message",
+        roles=roles(Role.SCHEDULER),
+        reason="KV staging (opt-in, SGLANG_DSV41_KV_STAGING=1), decode side: the registration "
+        "message to each prefill peer is the only per-peer message sent once; it carries that "
+        "peer's lease of one slot of the decode's staging pool as two trailing frames, which a "
+        "prefill without the plugin ignores. A no-op when staging is off.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(self, *, bootstrap_info: dict, message: List[bytes], operation: Literal['_register_kv_args', 'send_metadata'])",
+        ast_sha="f352c53590625ae8",
+        upstream=None,
+        remove_when="sglang moves MLA/DeepSeek-V4 KV in few large writes itself (its staging "
+        "path covers non-MLA pools only), or Mooncake's per-block cost disappears",
+    ),
+    Patch(
+        id="MC-KVS-GRANT-READ",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_register_info_from_zmq",
+        roles=roles(Role.SCHEDULER),
+        reason="KV staging, prefill side: read a decode peer's slot grant from the trailing "
+        "frames of its registration message and keep it on the parsed registration info, "
+        "which the transfer funnel (MC-NVL-TRANSFER) looks up per session.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(cls, msg: List[bytes])",
+        ast_sha="e3ae6829911ff4f1",
+        upstream=None,
+        remove_when="with MC-KVS-GRANT",
+    ),
     # === mooncake-nvlink entries above this line ===
     # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
     Patch(

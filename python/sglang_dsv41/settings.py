@@ -13,6 +13,17 @@ from dataclasses import dataclass
 
 from sglang_dsv41._pin import ALLOW_DRIFT_ENV
 from sglang_dsv41.core.known_crashes import CP_BCG_OPT_IN_ENV as CP_BCG_ENV
+from sglang_dsv41.core.kv_staging import (
+    ACK_TIMEOUT_ENV,
+    DEFAULT_ACK_TIMEOUT_S,
+    DEFAULT_MIN_BLOCKS,
+    DEFAULT_SLOT_MB,
+    DEFAULT_SLOTS,
+    MIN_BLOCKS_ENV,
+    SLOT_MB_ENV,
+    SLOTS_ENV,
+    STAGING_ENV,
+)
 from sglang_dsv41.core.mooncake_routing import NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV
 from sglang_dsv41.core.owner_routing import ENV_MIN_SAVING, ENV_MODE, ENV_PER_IMAGE_COST
 
@@ -44,6 +55,16 @@ SETTINGS: tuple[Setting, ...] = (
         names=(*NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV),
         default="unset (Mooncake's own default transport)",
         meaning="`MC_INTRANODE_NVLINK` or `MC_INTRA_NVLINK` set, or `MOONCAKE_PROTOCOL=nvlink_intra`: Mooncake's intra-node NVLink transport (read, not set, by this package): device memory is registered with the engine, host-resident blocks (aux, some state) travel on the ordered zmq side channel",
+    ),
+    Setting(
+        names=(STAGING_ENV,),
+        default="0",
+        meaning="`1` on both the prefill and the decode servers, with Mooncake's intra-node NVLink transport: KV staging. A transfer batch of many blocks (a DeepSeek-V4.1 request is hundreds) is gathered on the prefill GPU into one registered buffer, written with one engine write into a slot the decode side leased to that prefill peer, and scattered on the decode GPU before the decode side acknowledges; the status that completes the request can only follow. Any refusal or missing acknowledgement fails that request's transfer, as an engine error would. Without a slot (decode side off, pool full, a batch of few blocks, a block larger than a slot) the batch goes the direct way, counted in `sglang_dsv41_kv_staging_batches_total`. Costs slots x slot size of GPU memory on each side, allocated at start. Any value but unset/`0`/`1` stops the server when its transfer manager starts",
+    ),
+    Setting(
+        names=(SLOTS_ENV, SLOT_MB_ENV, MIN_BLOCKS_ENV, ACK_TIMEOUT_ENV),
+        default=f"{DEFAULT_SLOTS}, {DEFAULT_SLOT_MB}, {DEFAULT_MIN_BLOCKS}, {DEFAULT_ACK_TIMEOUT_S:g}",
+        meaning="KV staging's sizes: slots per side (decode: one per prefill peer rank; prefill: transfers in flight at once), MiB per slot (a batch larger than a slot goes in several staged writes), the fewest blocks a batch needs to be staged, and the seconds the prefill waits for the decode's acknowledgement (after a timeout that slot is retired for the prefill process's lifetime)",
     ),
     Setting(
         names=(CP_BCG_ENV,),

@@ -92,6 +92,9 @@ ROOMS = {
     "B": (CFG["room"] + 1, [1, 14], [5, 6], 6, 1, 2, 0, True),
 }
 BOOTSTRAP = f"127.0.0.1:{CFG['bootstrap_port']}"
+# KV staging runs: {"env": {...}, "fail_scatter_at": n (decode copy call), "prelease": k
+# (slots leased to made-up peers before registration, to exhaust the pool)}
+STAGING = CFG.get("staging")
 
 
 def pattern(tag: int, size: int) -> bytes:
@@ -156,6 +159,9 @@ class Side:
             from sglang_dsv41.hooks import mooncake_nvlink
 
             mooncake_nvlink.set_memory_access(InjectedKinds(self.device_regions))
+        self.copier = None
+        if STAGING is not None:
+            self.setup_staging()
 
         kv_args = KVArgs()
         kv_args.engine_rank = 0
@@ -205,6 +211,34 @@ class Side:
             "device_regions": [list(r) for r in self.device_regions],
             "host_regions": [list(r) for r in self.host_regions],
         }
+
+    # --- KV staging (opt-in): settings, the copier stand-in, a pre-leased pool
+
+    def setup_staging(self):
+        from sglang_dsv41.core.batch_copy import HostBatchCopy
+        from sglang_dsv41.hooks import kv_staging
+
+        os.environ.update({k: str(v) for k, v in STAGING.get("env", {}).items()})
+        fail_at = STAGING.get("fail_scatter_at") if not self.prefill else None
+
+        class CountingCopy(HostBatchCopy):
+            """Host memory copies (no GPU here); counts calls, fails the n-th if asked."""
+
+            calls = 0
+
+            def copy(self, srcs, dsts, lengths):
+                type(self).calls += 1
+                if fail_at is not None and type(self).calls == fail_at:
+                    raise RuntimeError(f"injected copy failure at call {fail_at}")
+                return super().copy(srcs, dsts, lengths)
+
+        self.copier = CountingCopy()
+        kv_staging.set_batch_copy(self.copier)
+
+    def staging_state(self):
+        from sglang_dsv41.hooks import kv_staging
+
+        return kv_staging.state_of(self.mgr)
 
     # --- expected contents on the decode side
 
@@ -269,10 +303,10 @@ class Side:
             sender.init(num_kv_indices=len(src_pages), aux_index=src_aux)
             sender.send(np.array(src_pages, dtype=np.int32), state_indices=[[src_state]])
             final = wait_for(
-                lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed) and sender.poll(),
+                lambda: {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(sender.poll()),
                 60, f"room {name}: prefill transfer never concluded",
             )
-            self.result[f"status_{name}"] = "success" if final == KVPoll.Success else "failed"
+            self.result[f"status_{name}"] = final  # KVPoll.Failed is 0: compare names
         release.wait(120)  # stay up until decode has its verdict
 
     # --- decode
@@ -303,6 +337,49 @@ class Side:
         sock.close()
         return len(bad)
 
+    def inject_bad_staged(self) -> dict:
+        """Bad staged-blocks messages straight into decode's socket; collect the acknowledgements."""
+        import numpy as np
+
+        from sglang_dsv41.core.kv_staging import (
+            Grant, encode_staged, parse_ack, STAGED_TAG,
+        )
+
+        pool = self.staging_state().pool
+        grant = pool.lease("203.0.113.9:1")  # a made-up peer's real lease
+        inbox = zmq.Context.instance().socket(zmq.PULL)
+        port = inbox.bind_to_random_port("tcp://127.0.0.1")
+        reply = f"tcp://127.0.0.1:{port}"
+        kv0 = self.kv[0][1]
+        one = (np.array([kv0], dtype=np.uint64), np.array([16], dtype=np.uint64))
+        wrong_lease = Grant(grant.slot_ptr, grant.slot_bytes, grant.lease ^ 2)
+        bad = {
+            11: encode_staged(1, wrong_lease, 11, *one, reply),  # not the slot's lease
+            12: encode_staged(1, grant, 12, np.array([kv0 - 4096], dtype=np.uint64),
+                              np.array([16], dtype=np.uint64), reply),  # outside every region
+            13: encode_staged(1, grant, 13, np.array([kv0, 12345], dtype=np.uint64),
+                              np.array([8, 8], dtype=np.uint64), reply),  # one bad entry of two
+            14: encode_staged(1, grant, 14, np.array([kv0], dtype=np.uint64),
+                              np.array([grant.slot_bytes + 1], dtype=np.uint64), reply),  # > slot
+        }
+        frames = list(bad.values())
+        truncated = list(encode_staged(1, grant, 15, *one, reply))
+        truncated[4] = truncated[4][:-1]
+        frames.append(truncated)  # no nonce can be trusted: dropped without an answer
+        frames.append([AUX_DATA_HEADER, b"1", STAGED_TAG])
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(f"tcp://{self.mgr.local_ip}:{self.mgr.rank_port}")
+        for f in frames:
+            sock.send_multipart(f)
+        sock.close()
+        answers = {}
+        while len(answers) < len(bad) and inbox.poll(20000):
+            nonce, refusal = parse_ack(inbox.recv_multipart())
+            answers[nonce] = refusal
+        inbox.close()
+        return {str(k): v for k, v in answers.items()}
+
     def run_decode(self):
         if PLUGIN != "none":
             sent = self.inject_bad_frames()
@@ -310,6 +387,12 @@ class Side:
                      30, "bad frames were not all seen")
             self.result["bad_frames_dropped"] = self.receiver_state().messages_dropped
             self.result["untouched_after_bad_frames"] = all(
+                v == bytes(len(v)) for v in self.buffers().values()
+            )
+
+        if STAGING is not None and STAGING.get("bad_frames"):
+            self.result["bad_staged_answers"] = self.inject_bad_staged()
+            self.result["untouched_after_bad_staged"] = all(
                 v == bytes(len(v)) for v in self.buffers().values()
             )
 
@@ -324,6 +407,11 @@ class Side:
             return apply_status(**kw)
 
         self.mgr.apply_prefill_status = apply_and_snapshot
+        if STAGING is not None and STAGING.get("prelease"):
+            pool = self.staging_state().pool
+            self.result["preleased"] = [
+                pool.lease(f"198.51.100.{i}:1") is not None for i in range(STAGING["prelease"])
+            ]
         wait_for(lambda: self.mgr.try_ensure_parallel_info(BOOTSTRAP), 90, "no prefill info")
         expected_all: dict[str, list] = {}
         for name, spec in ROOMS.items():
@@ -333,10 +421,10 @@ class Side:
             receiver.send_metadata(np.array(dst_pages, dtype=np.int32), aux_index=dst_aux,
                                    state_indices=[[dst_state]])
             final = wait_for(
-                lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed) and receiver.poll(),
+                lambda: {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(receiver.poll()),
                 60, f"room {name}: decode transfer never concluded",
             )
-            self.result[f"status_{name}"] = "success" if final == KVPoll.Success else "failed"
+            self.result[f"status_{name}"] = final  # KVPoll.Failed is 0: compare names
             expected = self.slices(spec)
             # Late host frames (room B) may land just after the status: give them a moment.
             time.sleep(0.3)
@@ -358,6 +446,12 @@ class Side:
         self.result["stray_writes"] = stray
         rs = self.receiver_state()
         self.result["host_messages_written"] = rs.messages_written if rs else 0
+        if STAGING is not None:
+            state = self.staging_state()
+            receiver = state.receiver if state else None
+            self.result["scattered"] = receiver.scattered if receiver else 0
+            self.result["scatter_refused"] = receiver.refused if receiver else 0
+            self.result["copies"] = type(self.copier).calls
         self.result["decode_thread_alive"] = self.mgr._worker_threads[0].is_alive()
 
 

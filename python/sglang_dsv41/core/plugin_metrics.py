@@ -86,6 +86,18 @@ SERIES: Tuple[Series, ...] = (
     Series("side_channel_drops", "counter", "direction",
            "Host-block transfers not delivered (send) or messages dropped by the receiver "
            "(receive).", "send, receive"),
+    Series("kv_staging_batches", "counter", "path",
+           "Prefill: device transfer batches by path with KV staging on: staged (one engine "
+           "write through the decode peer's slot), failed (refused or not acknowledged: the "
+           "request's transfer failed), or the direct path, labelled with why staging was not used.",
+           "staged, failed, no_grant, few_blocks, block_larger_than_slot, busy, slot_retired, "
+           "no_side_channel"),
+    Series("kv_staging_scatters", "counter", "outcome",
+           "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
+           "(the prefill's transfer then fails).", "done, refused"),
+    Series("kv_staging_grants", "counter", "outcome",
+           "Decode: staging slots leased to prefill peers at registration, or refused because "
+           "every slot is leased (that peer then uses the direct path).", "granted, pool_full"),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
     Series("launch_guards_applied", "counter", "rule",
@@ -187,6 +199,11 @@ def _add(series: str, label: str = "", amount: float = 1) -> None:
 def count_side_channel_drop(direction: str) -> None:
     """A transfer whose host blocks were not delivered ("send"), or a dropped message ("receive")."""
     _add("side_channel_drops", direction)
+
+
+def count_kv_staging(series: str, label: str) -> None:
+    """One KV staging event: ``series`` is kv_staging_batches, _scatters or _grants."""
+    _add(series, label)
 
 
 def count_agreement_failure() -> None:

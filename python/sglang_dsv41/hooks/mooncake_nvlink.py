@@ -7,8 +7,9 @@ Three narrow points of ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManag
   on the zmq push socket of the transfer's decode endpoint, the socket that
   later carries the completion status;
 - AROUND ``_handle_aux_data`` (decode thread): host-block frames, which travel
-  as AUX_DATA with a tag, are written into published regions; everything else
-  goes to upstream.
+  as AUX_DATA with a tag, are written into published regions; staged-blocks
+  frames (KV staging, opt-in: ``hooks.kv_staging``) are scattered from their
+  slot; everything else goes to upstream.
 
 Aux needs no hook of its own: in this mode upstream's ``send_aux`` builds aux
 blocks and hands them to ``_transfer_data``, where host aux buffers take the
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sglang_dsv41.core import plugin_metrics
+from sglang_dsv41.core.kv_staging import is_staged_message
+from sglang_dsv41.hooks import kv_staging
 from sglang_dsv41.core.memory_access import HostMemory, cuda_memory_access
 from sglang_dsv41.core.mooncake_routing import (
     HostBlockReceiver,
@@ -99,6 +102,10 @@ def after_registerable_regions(result, self):
             f"device and host memory cannot be told apart: {exc}. Registering a host "
             "region would fail the whole registration."
         ) from exc
+    staging = kv_staging.staging_region(self)
+    if staging is not None and staging not in plan.register:
+        # Allocated by the staging copier on this manager's device: engine memory.
+        plan.register.append(staging)
     kinds = KindTable(plan.classified, memory.kind_of)
     self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds, memory))
     (logger.info if state is None else logger.debug)(
@@ -155,11 +162,16 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
         opened.append(True)
         return _side_channel(self, mooncake_session_id)
 
-    rc = state.router.route(
-        transfer_blocks,
-        lambda device_blocks: original(self, mooncake_session_id, device_blocks),
-        open_side_channel,
-    )
+    def write(blocks):
+        return original(self, mooncake_session_id, blocks)
+
+    def send_device(device_blocks):
+        return kv_staging.send_device_batch(
+            self, mooncake_session_id, device_blocks, write,
+            lambda: _side_channel(self, mooncake_session_id),
+        )
+
+    rc = state.router.route(transfer_blocks, send_device, open_side_channel)
     if rc != 0 and opened:  # after the device blocks went through: host blocks not delivered
         plugin_metrics.count_side_channel_drop("send")
     return rc
@@ -186,7 +198,13 @@ def _receiver_for(manager) -> HostBlockReceiver:
 
 
 def around_handle_aux_data(original, self, msg):
-    """AROUND MooncakeKVManager._handle_aux_data: take host-block frames, pass the rest on."""
+    """AROUND MooncakeKVManager._handle_aux_data: take host-block and staged frames, pass the rest on."""
+    if is_staged_message(msg):
+        try:
+            kv_staging.handle_staged(self, msg, lambda: _published_regions(self).regions)
+        except Exception:  # the decode thread must keep serving
+            logger.exception("[sglang-dsv41] staged-blocks message dropped")
+        return None
     if not is_host_block_message(msg):
         return original(self, msg)
     try:

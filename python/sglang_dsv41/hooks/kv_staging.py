@@ -1,0 +1,303 @@
+"""Adapter: KV staging (opt-in) inside sglang's Mooncake PD managers.
+
+Two patch-table entries of their own:
+- AROUND ``CommonKVReceiver._send_bootstrap_message`` (decode): the
+  registration message to each prefill peer carries that peer's slot grant;
+- AROUND ``KVArgsRegisterInfo.from_zmq`` (prefill): the grant is read back and
+  kept on the peer's registration info.
+The mooncake-nvlink hooks call in here to allocate the slot pool or the gather
+buffers at registration, to send a device batch through the granted slot, and
+to scatter a staged-blocks message on the decode thread. The logic lives in
+``sglang_dsv41.core.kv_staging``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from sglang_dsv41.core import plugin_metrics
+from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
+from sglang_dsv41.core.kv_staging import (
+    FALLBACK_BUSY,
+    GrantState,
+    LocalBuffers,
+    SlotPool,
+    StagedReceiver,
+    StagedSender,
+    StagingConfig,
+    StagingConfigError,
+    StagingFrameError,
+    StagingRefused,
+    STAGING_ENV,
+    encode_grant,
+    find_grant,
+    parse_ack,
+    staging_config,
+)
+
+logger = logging.getLogger("sglang_dsv41.mooncake")
+
+GRANT_ATTR = "_dsv41_staging_grant"
+_STATE_ATTR = "_dsv41_kv_staging"
+FALLBACK_NO_SIDE_CHANNEL = "no_side_channel"
+
+# Tests on machines without a GPU inject a copier here; None = CUDA on the manager's GPU.
+_injected_copier: Optional[BatchCopy] = None
+
+
+def set_batch_copy(copier: Optional[BatchCopy]) -> None:
+    """Use ``copier`` for staging buffers and copies in managers built from now on."""
+    global _injected_copier
+    _injected_copier = copier
+
+
+@dataclass
+class StagingState:
+    config: StagingConfig
+    copier: BatchCopy
+    pool: Optional[SlotPool] = None  # decode
+    buffers: Optional[LocalBuffers] = None  # prefill
+    sender: Optional[StagedSender] = None
+    receiver: Optional[StagedReceiver] = None
+    grants: dict = field(default_factory=dict)  # (session, slot, lease) -> GrantState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def state_of(manager) -> Optional[StagingState]:
+    state = manager.__dict__.get(_STATE_ATTR)
+    return state if isinstance(state, StagingState) else None
+
+
+def _role(manager) -> str:
+    mode = getattr(manager, "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode) or "")
+
+
+def _copier_for(manager) -> BatchCopy:
+    if _injected_copier is not None:
+        return _injected_copier
+    from sglang_dsv41.core.batch_copy import batch_copy_for
+
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    return batch_copy_for(gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None)
+
+
+def staging_region(manager) -> Optional[tuple[int, int]]:
+    """Allocate this manager's staging memory once (when staging is on); the region to register.
+
+    Fails closed: staging asked for but impossible stops the manager's
+    construction with a message naming the setting.
+    """
+    state = state_of(manager)
+    if state is None:
+        try:
+            config = staging_config()
+        except StagingConfigError as exc:
+            raise RuntimeError(f"[sglang-dsv41] KV staging: {exc}") from exc
+        if config is None:
+            return None
+        role = _role(manager)
+        if role not in ("prefill", "decode"):
+            return None
+        try:
+            copier = _copier_for(manager)
+            state = StagingState(config, copier)
+            if role == "decode":
+                state.pool = SlotPool(copier, config)
+            else:
+                state.buffers = LocalBuffers(copier, config)
+                state.sender = StagedSender(copier, state.buffers, config)
+        except (BatchCopyError, RuntimeError, MemoryError) as exc:
+            raise RuntimeError(
+                f"[sglang-dsv41] {STAGING_ENV}=1 but the {role} side cannot set up its staging "
+                f"memory ({config.slots} x {config.slot_bytes >> 20} MiB): {exc}. Unset "
+                f"{STAGING_ENV} or fix the cause."
+            ) from exc
+        manager.__dict__[_STATE_ATTR] = state
+        logger.info(
+            "[sglang-dsv41] KV staging on (%s side, %s copies): %d x %d MiB %s",
+            role, copier.backend, config.slots, config.slot_bytes >> 20,
+            "slots for prefill peers" if role == "decode" else "gather buffers",
+        )
+    owner = state.pool or state.buffers
+    return owner.region if owner is not None else None
+
+
+# --- grants -------------------------------------------------------------------------
+
+
+def around_send_bootstrap_message(original, self, *, bootstrap_info, message, operation):
+    """AROUND CommonKVReceiver._send_bootstrap_message: the registration carries the peer's grant."""
+    state = state_of(getattr(self, "kv_mgr", None)) if operation == "_register_kv_args" else None
+    if state is not None and state.pool is not None and not bootstrap_info.get("is_dummy"):
+        peer = f"{bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')}"
+        grant = state.pool.lease(peer)
+        if grant is None:
+            plugin_metrics.count_kv_staging("kv_staging_grants", "pool_full")
+            logger.warning(
+                "[sglang-dsv41] KV staging: every one of the %d slots is leased; prefill peer %s "
+                "uses the direct path", state.config.slots, peer,
+            )
+        else:
+            plugin_metrics.count_kv_staging("kv_staging_grants", "granted")
+            message = list(message) + encode_grant(grant)
+    return original(self, bootstrap_info=bootstrap_info, message=message, operation=operation)
+
+
+def around_register_info_from_zmq(original, cls, msg):
+    """AROUND KVArgsRegisterInfo.from_zmq: keep a decode peer's grant on its registration info."""
+    info = original(cls, msg)
+    try:
+        grant = find_grant(msg)
+    except StagingFrameError as exc:
+        logger.error("[sglang-dsv41] KV staging: ignoring a malformed grant: %s", exc)
+        grant = None
+    if grant is not None:
+        info.__dict__[GRANT_ATTR] = grant
+    return info
+
+
+def _grant_state(manager, state: StagingState, session_id: str) -> Optional[GrantState]:
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    grant = getattr(table.get(session_id), GRANT_ATTR, None)
+    if grant is None:
+        return None
+    key = (session_id, grant.slot_ptr, grant.lease)
+    with state.lock:
+        found = state.grants.get(key)
+        if found is None:
+            found = state.grants[key] = GrantState(grant)
+    return found
+
+
+# --- acknowledgements ------------------------------------------------------------------
+
+_inbox = threading.local()
+
+
+def _tcp(ip: str) -> str:
+    return f"tcp://[{ip}]" if ":" in ip else f"tcp://{ip}"
+
+
+def _ack_inbox(manager):
+    """This thread's socket for acknowledgements: (socket, address)."""
+    sock = getattr(_inbox, "sock", None)
+    if sock is None:
+        import zmq
+
+        ip = getattr(manager, "local_ip", None) or "127.0.0.1"
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        if ":" in ip:
+            sock.setsockopt(zmq.IPV6, 1)
+        port = sock.bind_to_random_port(_tcp(ip))
+        _inbox.sock, _inbox.address = sock, f"{_tcp(ip)}:{port}"
+    return sock, _inbox.address
+
+
+def _await_ack(sock) -> Callable[[int, float], Optional[str]]:
+    def wait(nonce: int, timeout_s: float) -> Optional[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                raise TimeoutError
+            try:
+                got, refusal = parse_ack(sock.recv_multipart())
+            except StagingFrameError:
+                continue
+            if got == nonce:
+                return refusal
+            # an acknowledgement of an earlier batch that had timed out: stale
+
+    return wait
+
+
+# --- prefill: one device batch ------------------------------------------------------------
+
+
+def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
+    """Send ``blocks`` (device-sourced) through the peer's slot, or directly; the engine's code."""
+    state = state_of(manager)
+    if state is None or state.sender is None:
+        return write(blocks)
+    grant_state = _grant_state(manager, state, session_id)
+    try:
+        channel = side_channel() if grant_state is not None else None
+    except Exception as exc:  # no decode endpoint known for this session
+        logger.debug("KV staging: no side channel for %s: %s", session_id, exc)
+        plugin_metrics.count_kv_staging("kv_staging_batches", FALLBACK_NO_SIDE_CHANNEL)
+        return write(blocks)
+    try:
+        sock, address = _ack_inbox(manager) if grant_state is not None else (None, "")
+        outcome = state.sender.send(
+            blocks, grant_state, channel.room if channel else 0, address, write,
+            channel.send if channel else None, _await_ack(sock) if sock else None,
+        )
+    except StagingRefused as exc:
+        plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV staging: batch to %s failed: %s", session_id, exc)
+        return -1
+    except Exception as exc:
+        plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error(
+            "[sglang-dsv41] KV staging: batch to %s failed: %s: %s",
+            session_id, type(exc).__name__, exc,
+        )
+        return -1
+    path = outcome.fallback or ("staged" if outcome.rc == 0 else "failed")
+    plugin_metrics.count_kv_staging("kv_staging_batches", path)
+    if path == FALLBACK_BUSY:
+        logger.debug("KV staging: slot or gather buffer busy for %s; direct path", session_id)
+    return outcome.rc
+
+
+# --- decode: one staged-blocks message -----------------------------------------------------
+
+_ack_sockets: dict = {}
+_ack_lock = threading.Lock()
+
+
+def _send_ack(address: str, frames) -> None:
+    import zmq
+
+    with _ack_lock:
+        sock = _ack_sockets.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            if address.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(address)
+            _ack_sockets[address] = sock
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("[sglang-dsv41] KV staging: acknowledgement to %s not sent (peer gone?)",
+                         address)
+
+
+def handle_staged(manager, msg, published: Callable[[], list]) -> None:
+    """Scatter one staged-blocks message and acknowledge it; never raises."""
+    state = state_of(manager)
+    if state is None or state.pool is None:
+        logger.error("[sglang-dsv41] KV staging: a staged-blocks message arrived but staging is "
+                     "off on this decode side; dropped (the prefill's transfer times out)")
+        plugin_metrics.count_kv_staging("kv_staging_scatters", "refused")
+        return
+    if state.receiver is None:
+        state.receiver = StagedReceiver(state.pool, published(), state.copier)
+    verdict = state.receiver.handle(msg)
+    plugin_metrics.count_kv_staging("kv_staging_scatters", "done" if verdict.done else "refused")
+    if not verdict.done:
+        logger.error("[sglang-dsv41] KV staging: refused a staged-blocks message (room %s): %s",
+                     verdict.room, verdict.reason)
+    if verdict.ack is not None and verdict.reply_to:
+        try:
+            _send_ack(verdict.reply_to, verdict.ack)
+        except Exception:
+            logger.exception("[sglang-dsv41] KV staging: acknowledgement failed")
