@@ -23,7 +23,12 @@ engine pair and buffers, in interleaved rounds:
 - stock:      upstream's call structure: one ``_transfer_data`` body (zip, then
               the engine) per prefill chunk's KV batch, then one per state call;
 - routed:     the same batches through ``TransferRouter.route``;
-- contiguous: one write of the request's total bytes as a single block.
+- contiguous: one write of the request's total bytes as a single block;
+- staged:     KV staging (``SGLANG_DSV41_KV_STAGING``): routing, then each
+              batch of at least --staging-min-blocks device blocks gathered
+              into a registered buffer, one engine write into the receiver's
+              slot, a staged-blocks message, the receiver's scatter and its
+              acknowledgement; timed end to end (--no-staging leaves it out).
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -485,11 +490,29 @@ def setup_dsv41(args, sender: bool):
     plan = plan_registration(regions, memory.kind_of)
     if len(plan.register) != len(buffers):
         raise RuntimeError(f"expected {len(buffers)} device regions, classified {len(plan.register)}")
+    staging = staging_memory(args, sender)
+    if staging is not None:
+        plan.register.append(staging[1].region)
+    args.staging = staging
     ptrs, lens = zip(*plan.register)
     rc = engine.batch_register_memory(list(ptrs), list(lens))
     if rc != 0:
         raise RuntimeError(f"batch_register_memory returned {rc}")
     return torch, engine, memory, plan, buffers, aux
+
+
+def staging_memory(args, sender: bool):
+    """(copier, gather buffers or slot pool) of KV staging, sized for the largest batch."""
+    if args.pattern != "dsv41" or args.no_staging:
+        return None
+    from sglang_dsv41.core import batch_copy
+    from sglang_dsv41.core.kv_staging import LocalBuffers, SlotPool, StagingConfig
+
+    largest = max(sum(sp[3] for sp in batch) for _, t, lay in DSV41_CASES
+                  for batch in dsv41_batches(t, lay))
+    config = StagingConfig(slots=1, slot_bytes=-(-largest // MiB) * MiB, min_blocks=args.staging_min_blocks)
+    copier = batch_copy.batch_copy_for(args.gpu) if args.mode == "gpu" else batch_copy.HostBatchCopy()
+    return copier, (LocalBuffers if sender else SlotPool)(copier, config), config
 
 
 def _spans_digest(torch, buffers, spans, dst: bool) -> bytes:
@@ -504,15 +527,26 @@ def _spans_digest(torch, buffers, spans, dst: bool) -> bytes:
 
 def run_dsv41_receiver(args) -> None:
     torch, engine, memory, plan, buffers, aux = setup_dsv41(args, sender=False)
+    from sglang_dsv41.core.kv_staging import StagedReceiver, is_staged_message
+
     channel = Channel.listen(args.channel)
+    grant, staged = None, None
+    if args.staging is not None:
+        copier, pool, _ = args.staging
+        g = pool.lease("benchmark sender")
+        grant = [g.slot_ptr, g.slot_bytes, g.lease]
+        staged = StagedReceiver(pool, [(t.data_ptr(), t.numel()) for t in buffers], copier)
     print("READY " + json.dumps({
         "session": f"127.0.0.1:{engine.get_rpc_port()}",
-        "addrs": [t.data_ptr() for t in buffers], "port": channel.port,
+        "addrs": [t.data_ptr() for t in buffers], "port": channel.port, "grant": grant,
     }), flush=True)
     channel.accept()
     while True:
         frames = channel.recv(timeout_s=3600)
-        if frames[0] == b"CLEAR":
+        if staged is not None and is_staged_message(frames):
+            verdict = staged.handle(frames)
+            channel.send(verdict.ack)
+        elif frames[0] == b"CLEAR":
             for t in buffers:
                 t.zero_()
             if args.mode == "gpu":
@@ -552,6 +586,27 @@ def run_dsv41_sender(args) -> None:
     def routed(blocks):
         return router.route(blocks, funnel, lambda: side)
 
+    staged = None
+    if args.staging is not None and peer.get("grant"):
+        from sglang_dsv41.core.kv_staging import Grant, GrantState, StagedSender, parse_ack
+
+        copier, local, config = args.staging
+        sender = StagedSender(copier, local, config)
+        grant_state = GrantState(Grant(*peer["grant"]))
+
+        def await_ack(nonce, timeout_s):
+            got, refusal = parse_ack(channel.recv(timeout_s=timeout_s))
+            if got != nonce:
+                raise RuntimeError("acknowledgement out of order")
+            return refusal
+
+        def staged_device(blocks):
+            return sender.send(blocks, grant_state, 1, "tcp://127.0.0.1:1", funnel,
+                               channel.send, await_ack).rc
+
+        def staged(blocks):  # as in production: routing first, staging for the device blocks
+            return router.route(blocks, staged_device, lambda: side)
+
     def request(call, batches):
         def run():
             for blocks in batches:
@@ -571,6 +626,8 @@ def run_dsv41_sender(args) -> None:
         flat = [[(src_addrs[_FLAT], dst_addrs[_FLAT], nbytes)]]
         paths = {"stock": request(funnel, batches), "routed": request(routed, batches),
                  "contiguous": request(funnel, flat)}
+        if staged is not None:
+            paths["staged"] = request(staged, batches)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
@@ -578,7 +635,7 @@ def run_dsv41_sender(args) -> None:
         for _ in range(args.rounds):
             times = {k: [] for k in paths}
             for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
-                for k in names[it % 3:] + names[:it % 3]:
+                for k in names[it % len(names):] + names[:it % len(names)]:
                     times[k].append(timed(paths[k], 1))
             for k, v in times.items():
                 samples[k].append(statistics.median(v))
@@ -592,15 +649,17 @@ def run_dsv41_sender(args) -> None:
         python = {"stock": request(noop, batches),
                   "routed": request(lambda b: router.route(b, noop, lambda: side), batches)}
         python_us = {k: min(timed(fn, 50) for _ in range(5)) * 1e6 for k, fn in python.items()}
-        # Byte-exact: clear the receiver, move the request once through the routed path.
-        channel.send([b"CLEAR"])
-        channel.recv()
-        rc = paths["routed"]()
+        # Byte-exact: clear the receiver, move the request once through each moving path.
         all_spans = [sp for batch in spans for sp in batch]
-        channel.send([b"CHECK", json.dumps(all_spans).encode()])
-        reply = channel.recv()
-        exact = (rc == 0 and reply[1] == _spans_digest(torch, buffers, all_spans, dst=False)
-                 and int(reply[2]) == nbytes)
+        exact = True
+        for k in ("routed", "staged") if staged is not None else ("routed",):
+            channel.send([b"CLEAR"])
+            channel.recv()
+            rc = paths[k]()
+            channel.send([b"CHECK", json.dumps(all_spans).encode()])
+            reply = channel.recv()
+            exact = exact and (rc == 0 and int(reply[2]) == nbytes
+                               and reply[1] == _spans_digest(torch, buffers, all_spans, dst=False))
         row = {"case": name, "tokens": tokens, "layout": layout, "calls": len(spans),
                "blocks": sum(len(b) for b in spans), "bytes": nbytes, "byte_exact": exact}
         for k, v in samples.items():
@@ -612,10 +671,16 @@ def run_dsv41_sender(args) -> None:
         row["stock_x_contiguous"] = row["stock_us"] / row["contiguous_us"]
         row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
         row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
+        if staged is not None:
+            row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
+            row["staged_over_stock"] = statistics.median(
+                s / r for s, r in zip(samples["stock"], samples["staged"]))
         rows.append(row)
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
-            f"routed/stock {row['routed_over_stock']:.3f}, exact {exact}")
+            f"routed/stock {row['routed_over_stock']:.3f}"
+            + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
+               if staged is not None else "") + f", exact {exact}")
     channel.send([b"BYE"])
     channel.recv()
     print("RESULT " + json.dumps({"rows": rows,
@@ -634,6 +699,15 @@ def print_dsv41(run: dict, title: str) -> None:
               f"{r['stock_us']:9.0f} {r['routed_us']:10.0f} {r['contiguous_us']:10.0f} "
               f"{r['routed_over_stock']:13.3f} {r['stock_x_contiguous']:14.1f}x {per_block:9.2f} "
               f"{r['python_routed_us'] - r['python_stock_us']:7.1f} {str(r['byte_exact']):>6}")
+    if any("staged_us" in r for r in run["rows"]):
+        print(f"\n{'request':>16} {'staged us':>10} {'contig us':>10} {'staged x contig':>16} "
+              f"{'stock x contig':>15} {'stock/staged':>13}")
+        for r in run["rows"]:
+            print(f"{r['case']:>16} {r['staged_us']:10.0f} {r['contiguous_us']:10.0f} "
+                  f"{r['staged_x_contiguous']:15.1f}x {r['stock_x_contiguous']:14.1f}x "
+                  f"{r['staged_over_stock']:13.2f}")
+        print("staged: KV staging (gather, one write per batch, scatter, acknowledgement), "
+              "end to end until the receiver has scattered and answered")
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
 
@@ -646,7 +720,10 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
         entry = {"case": first["case"], "blocks": first["blocks"], "bytes": first["bytes"],
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
-                    "stock_us", "routed_us", "contiguous_us"):
+                    "stock_us", "routed_us", "contiguous_us", "staged_us", "staged_x_contiguous",
+                    "staged_over_stock"):
+            if key not in first:
+                continue
             vals = [r[key] for r in rows]
             entry[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
         out.append(entry)
@@ -664,7 +741,10 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     common = ["--mode", args.mode, "--protocol", protocol, "--register", register,
               "--device-mib", str(args.device_mib), "--host-mib", str(args.host_mib),
-              "--channel", args.channel, "--pattern", args.pattern]
+              "--channel", args.channel, "--pattern", args.pattern,
+              "--staging-min-blocks", str(args.staging_min_blocks)]
+    if args.no_staging:
+        common.append("--no-staging")
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -701,6 +781,9 @@ def main() -> None:
     p.add_argument("--case", dest="cases", action="append", default=None,
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
+    p.add_argument("--no-staging", action="store_true", help="dsv41: leave the KV staging path out")
+    p.add_argument("--staging-min-blocks", type=int, default=8,
+                   help="dsv41: fewest blocks a batch needs to be staged (SGLANG_DSV41_KV_STAGING_MIN_BLOCKS)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     # internal (child processes)
     p.add_argument("--role", choices=["receiver", "sender"])
@@ -796,6 +879,12 @@ def main_dsv41(args) -> None:
             ros, sxc = e["routed_over_stock"], e["stock_x_contiguous"]
             print(f"{e['case']:>16} {ros['median']:10.3f} [{ros['min']:.3f} - {ros['max']:.3f}] "
                   f"{sxc['median']:9.1f}x [{sxc['min']:.1f} - {sxc['max']:.1f}] {str(e['byte_exact']):>6}")
+        if "staged_x_contiguous" in summary[0]:
+            print(f"\n{'request':>16} {'staged x contiguous':>26} {'stock / staged':>24}")
+            for e in summary:
+                a, b = e["staged_x_contiguous"], e["staged_over_stock"]
+                print(f"{e['case']:>16} {a['median']:10.1f}x [{a['min']:.1f} - {a['max']:.1f}] "
+                      f"{b['median']:10.2f} [{b['min']:.2f} - {b['max']:.2f}]")
     worst = min(e["routed_over_stock"]["median"] for e in summary)
     exact = all(e["byte_exact"] for e in summary)
     print(f"\nworst routed/stock (median over runs): {worst:.3f}; every request byte-exact: {exact}")
