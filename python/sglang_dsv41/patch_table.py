@@ -374,7 +374,7 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="the mooncake-nvlink group goes (see MC-NVL-REGIONS)",
     ),
     Patch(
-        id="MC-KVS-GRANT",
+        id="MC-KVS-GRANT-SEND",
         group="mooncake-nvlink",
         target="sglang.srt.disaggregation.common.conn.CommonKVReceiver._send_bootstrap_message",
         kind=HookKind.AROUND,
@@ -405,7 +405,7 @@ PATCHES: tuple[Patch, ...] = (
         signature="(cls, msg: List[bytes])",
         ast_sha="e3ae6829911ff4f1",
         upstream=None,
-        remove_when="with MC-KVS-GRANT",
+        remove_when="with MC-KVS-GRANT-SEND",
     ),
     # === mooncake-nvlink entries above this line ===
     # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
