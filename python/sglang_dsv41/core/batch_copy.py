@@ -27,6 +27,9 @@ from typing import Optional, Protocol
 import numpy as np
 
 
+_U64_MAX = (1 << 64) - 1
+
+
 class BatchCopyError(RuntimeError):
     """A batch could not be copied (bad arrays, allocation or device failure)."""
 
@@ -81,18 +84,21 @@ def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             f"batch arrays differ in shape: {s.shape}, {d.shape}, {n.shape}"
         )
     if len(n):
-        # ~p is 2**64 - 1 - p: a length above it makes p + length wrap.
-        wraps = (n > ~s) | (n > ~d)
-        if wraps.any():
-            i = int(np.flatnonzero(wraps)[0])
-            raise BatchCopyError(
-                f"batch entry {i}: {int(n[i])} bytes from {int(s[i]):#x} to {int(d[i]):#x} "
-                "run past the end of the address space"
-            )
-        null = ((s == 0) | (d == 0)) & (n != 0)
-        if null.any():
-            i = int(np.flatnonzero(null)[0])
-            raise BatchCopyError(f"batch entry {i}: null pointer with {int(n[i])} bytes")
+        # Cheap bounds first (this is on the transfer path); exact checks only when they fail.
+        if max(int(s.max()), int(d.max())) + int(n.max()) > _U64_MAX:
+            # ~p is 2**64 - 1 - p: a length above it makes p + length wrap.
+            wraps = (n > ~s) | (n > ~d)
+            if wraps.any():
+                i = int(np.flatnonzero(wraps)[0])
+                raise BatchCopyError(
+                    f"batch entry {i}: {int(n[i])} bytes from {int(s[i]):#x} to {int(d[i]):#x} "
+                    "run past the end of the address space"
+                )
+        if not (s.min() and d.min()):
+            null = ((s == 0) | (d == 0)) & (n != 0)
+            if null.any():
+                i = int(np.flatnonzero(null)[0])
+                raise BatchCopyError(f"batch entry {i}: null pointer with {int(n[i])} bytes")
     return s, d, n
 
 
@@ -131,10 +137,13 @@ def batch_word(srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> int:
     return 8 if bits & 7 == 0 else 1
 
 
+_ENTRY_LIMIT = 1 << 62  # the CUDA path's largest entry: keeps its int64 arithmetic exact
+
+
 def launch_programs(lengths: np.ndarray, chunk_bytes: int) -> np.ndarray:
-    """Programs per entry: one per ``chunk_bytes`` piece (no overflow near 2**64)."""
+    """Programs per entry (int64): one per ``chunk_bytes`` piece; lengths below 2**62."""
     shift = chunk_bytes.bit_length() - 1
-    return (lengths >> np.uint64(shift)) + ((lengths & np.uint64(chunk_bytes - 1)) != 0)
+    return (lengths.view(np.int64) + (chunk_bytes - 1)) >> shift
 
 
 def launch_table_bytes(entries: int, programs: int) -> int:
@@ -142,20 +151,29 @@ def launch_table_bytes(entries: int, programs: int) -> int:
     return 32 * entries + 4 * programs
 
 
-def write_launch_table(table: np.ndarray, srcs, dsts, lengths, per_entry: np.ndarray) -> int:
-    """Fill ``table`` (uint8, 8-byte aligned, large enough) for the kernel; returns bytes used."""
+_entry_ids = np.arange(0, dtype=np.int32)
+
+
+def write_launch_table(table: np.ndarray, srcs, dsts, lengths, per_entry: np.ndarray,
+                       ends: Optional[np.ndarray] = None) -> int:
+    """Fill ``table`` (uint8, 8-byte aligned, large enough) for the kernel; returns bytes used.
+
+    ``ends`` is ``np.cumsum(per_entry)`` when the caller has it already.
+    """
+    global _entry_ids
     n = len(lengths)
-    programs_total = int(per_entry.sum())
-    used = launch_table_bytes(n, programs_total)
+    if ends is None:
+        ends = np.cumsum(per_entry)
+    programs = int(ends[-1]) if n else 0
+    used = launch_table_bytes(n, programs)
     words = table[: 32 * n].view(np.uint64)
     words[:n] = srcs
     words[n:2 * n] = dsts
     words[2 * n:3 * n] = lengths
-    np.cumsum(per_entry, out=words[3 * n:4 * n])
-    words[3 * n:4 * n] -= per_entry  # exclusive: each entry's first program
-    table[32 * n:used].view(np.int32)[:] = np.repeat(
-        np.arange(n, dtype=np.int32), per_entry.astype(np.intp, copy=False)
-    )
+    np.subtract(ends, per_entry, out=words[3 * n:4 * n].view(np.int64))  # each entry's first program
+    if len(_entry_ids) < n:
+        _entry_ids = np.arange(max(n, 2 * len(_entry_ids), 4096), dtype=np.int32)
+    table[32 * n:used].view(np.int32)[:] = np.repeat(_entry_ids[:n], per_entry)
     return used
 
 
@@ -338,15 +356,18 @@ class CudaBatchCopy:
         kernels = self._kernels
         torch = self._torch
         chunk = kernels.CHUNK_BYTES
+        if int(n.max()) >= _ENTRY_LIMIT:
+            raise BatchCopyError(f"batch entry of {int(n.max())} bytes is beyond any GPU's memory")
         per_entry = launch_programs(n, chunk)
-        programs = int(per_entry.sum())
+        ends = np.cumsum(per_entry)
+        programs = int(ends[-1])
         if programs > _MAX_PROGRAMS:
             raise BatchCopyError(f"batch needs {programs} kernel programs, more than one launch allows")
         word = batch_word(s, d, n)
         entries = len(n)
         with torch.cuda.device(self.device):
             lane.reserve(torch, self.device, launch_table_bytes(entries, programs))
-            used = write_launch_table(lane.host_np, s, d, n, per_entry)
+            used = write_launch_table(lane.host_np, s, d, n, per_entry, ends)
             compiled = self._compile(kernels, word)
             with torch.cuda.stream(lane.stream):
                 lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True)
@@ -356,7 +377,7 @@ class CudaBatchCopy:
                         # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
                         compiled[(programs, 1, 1)](lane.device_ptr, entries, word, chunk, block,
                                                    stream=lane.stream_handle)
-                    except TypeError:  # a Triton whose launcher takes other arguments
+                    except (TypeError, AttributeError):  # a Triton whose launcher differs
                         self._fast_launch = False
                 if not self._fast_launch:
                     kernels.batch_copy_kernel[(programs,)](
