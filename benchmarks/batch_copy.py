@@ -53,15 +53,14 @@ def timed_call(copier, batch) -> tuple[float, float]:
 
 
 def submit_breakdown(copier, batch, rounds: int = 200) -> dict:
-    """Median CPU microseconds of each step of one triton-path call (no waiting)."""
-    import torch
-
-    from sglang_dsv41.core.batch_copy import as_batch, batch_word, launch_programs, write_launch_table
+    """Median CPU microseconds of each step of one triton-path call, as ``copy`` runs them."""
+    from sglang_dsv41.core.batch_copy import _converted, fill_launch_table
 
     lane = copier._lanes[-1]
     kernels = copier._kernels
-    steps = {"validate": [], "launch table": [], "device+stream contexts": [], "table upload": [],
-             "kernel launch": [], "synchronize (wall, includes GPU)": []}
+    rt = copier._runtime
+    steps = {"convert": [], "validate + launch table": [], "table upload": [], "kernel launch": [],
+             "synchronize (wall, includes the GPU)": []}
 
     def clock(name, fn):
         t0 = time.perf_counter()
@@ -70,25 +69,15 @@ def submit_breakdown(copier, batch, rounds: int = 200) -> dict:
         return out
 
     for _ in range(rounds):
-        s, d, n = clock("validate", lambda: as_batch(*batch))
-
-        def table():
-            per_entry = launch_programs(n, kernels.CHUNK_BYTES)
-            ends = np.cumsum(per_entry)
-            return batch_word(s, d, n), write_launch_table(lane.host_np, s, d, n, per_entry, ends), int(ends[-1])
-
-        word, used, programs = clock("launch table", table)
-        t0 = time.perf_counter()
-        with torch.cuda.device(copier.device), torch.cuda.stream(lane.stream):
-            entered = time.perf_counter()
-            clock("table upload", lambda: lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True))
-            compiled = copier._compiled[word]
-            clock("kernel launch", lambda: compiled[(programs, 1, 1)](
-                lane.device_ptr, len(n), word, kernels.CHUNK_BYTES, kernels.BLOCK_ELEMENTS[word],
-                stream=lane.stream_handle))
-            leave = time.perf_counter()
-        steps["device+stream contexts"].append(entered - t0 + time.perf_counter() - leave)
-        clock("synchronize (wall, includes GPU)", lane.stream.synchronize)
+        s, d, n = clock("convert", lambda: _converted(*batch))
+        _, word, chunk, pieces, used = clock("validate + launch table", lambda: fill_launch_table(
+            lane.reserve, s, d, n, kernels.MIN_CHUNK_BYTES))
+        clock("table upload", lambda: rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, 1,
+                                                              lane.stream_handle))
+        compiled = copier._compiled[word]
+        clock("kernel launch", lambda: compiled[(len(n), pieces, 1)](
+            lane.device_ptr, len(n), chunk, word, kernels.BLOCK_ELEMENTS[word], stream=lane.stream_handle))
+        clock("synchronize (wall, includes the GPU)", lambda: rt.lib.cudaStreamSynchronize(lane.stream_handle))
     return {k: statistics.median(v) * 1e6 for k, v in steps.items()}
 
 
@@ -161,13 +150,13 @@ def main() -> None:
               f"batched/contiguous {row['batched_us'] / row['contiguous_us']:4.2f}x, "
               f"per-entry/batched {row['per-entry_us'] / row['batched_us']:5.1f}x", flush=True)
     breakdown = None
-    if batched.backend == "triton" and getattr(batched, "_fast_launch", False):
+    if batched.backend == "triton" and batched._fast_launch and batched._runtime is not None:
         batch = request_batch(32768, "fragmented", pools, staging.ptr)
         breakdown = submit_breakdown(batched, batch)
         print("32k fragmented, CPU per step (median us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()), flush=True)
     out = {"device": torch.cuda.get_device_name(args.device), "torch": torch.__version__,
-           "breakdown_us": breakdown,
+           "breakdown_us": breakdown, "runtime": getattr(batched._runtime, "path", None),
            "backend": batched.backend, "fast_launch": getattr(batched, "_fast_launch", None),
            "runs": args.runs, "rounds": args.rounds, "results": results}
     try:

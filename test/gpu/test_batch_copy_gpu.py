@@ -144,7 +144,7 @@ def test_four_threads_at_once(copier, pools):
                     got = dst[base + b:base + b + m]
                     if not torch.equal(got, src[a:a + m]):
                         raise AssertionError(f"thread {k} round {round_}: entry at {b} differs")
-                done.append(k)
+            done.append(k)
         except Exception as exc:  # reported by the main thread
             errors.append(repr(exc))
 
@@ -206,6 +206,20 @@ def test_bad_batches_raise_not_crash(copier, pools):
         copier.allocate(0)
     copier.copy([], [], [])  # nothing to do is fine
     copier.copy([src.data_ptr()], [dst.data_ptr()], [0])
+
+
+@pytest.mark.parametrize("path", ["jit launch", "torch upload"])
+def test_triton_fallback_paths(pools, path):
+    """The paths a Triton launcher of another shape, or no shareable CUDA runtime, would take."""
+    copier = CudaBatchCopy(0, prefer="triton")
+    if path == "jit launch":
+        copier._fast_launch = False
+    else:
+        copier._runtime = None
+    src, dst = pools
+    rng = np.random.default_rng(99)
+    for align in (16, 1):
+        check_batch(copier, src, dst, *random_entries(rng, 700, align, src.numel(), dst.numel()))
 
 
 def test_backend_choice():

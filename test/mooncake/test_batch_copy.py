@@ -19,9 +19,8 @@ from sglang_dsv41.core.batch_copy import (
     HostBatchCopy,
     as_batch,
     batch_word,
-    launch_programs,
-    launch_table_bytes,
-    write_launch_table,
+    fill_launch_table,
+    plan_pieces,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,26 +127,71 @@ def test_batch_word_takes_the_widest_access_every_entry_allows():
     assert word([], [], []) == 16
 
 
-def test_launch_programs_cut_entries_into_chunks():
-    chunk = 32768
-    n = np.array([0, 1, chunk - 1, chunk, chunk + 1, 5 << 20, 2 ** 62 - 1], dtype=np.uint64)
-    got = launch_programs(n, chunk).tolist()
-    assert got == [0, 1, 1, 1, 2, 160, 2 ** 47]
+class GrowingTable:
+    """A ``reserve`` for fill_launch_table: grows like the CUDA lanes do, counts growths."""
+
+    def __init__(self, nbytes: int):
+        self.words = np.full(nbytes // 8, 0xEE, dtype=np.uint64)
+        self.growths = 0
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.words.nbytes:
+            self.words = np.full(-(-nbytes // 8), 0xEE, dtype=np.uint64)
+            self.growths += 1
+        return self.words
 
 
-def test_launch_table_layout():
-    chunk = 32768
-    s, d, n = as_batch([1000, 2000, 3000, 4000], [5000, 6000, 7000, 8000], [chunk * 2 + 1, 0, 5, chunk])
-    per_entry = launch_programs(n, chunk)
-    table = np.zeros(launch_table_bytes(4, int(per_entry.sum())) + 64, dtype=np.uint8)
-    used = write_launch_table(table, s, d, n, per_entry)
-    assert used == 32 * 4 + 4 * 5
-    words = table[:128].view(np.uint64)
-    assert words[:4].tolist() == s.tolist() and words[4:8].tolist() == d.tolist()
-    assert words[8:12].tolist() == n.tolist()
-    assert words[12:16].tolist() == [0, 3, 3, 4]  # first program of each entry
-    assert table[128:used].view(np.int32).tolist() == [0, 0, 0, 2, 3]  # owner of each program
-    assert not table[used:].any()
+CHUNK = 32768
+
+
+@pytest.mark.parametrize("start_bytes", [8, 1 << 16])
+def test_launch_table_layout(start_bytes):
+    reserve = GrowingTable(start_bytes)
+    s, d, n = as_batch([1008, 2000, 3000, 4000], [5008, 6000, 7000, 8000], [CHUNK * 2 + 1, 0, 5, CHUNK])
+    table, word, chunk, pieces, used = fill_launch_table(reserve, s, d, n, CHUNK)
+    assert table is reserve.words and reserve.growths == (1 if start_bytes == 8 else 0)
+    assert (word, chunk, pieces, used) == (1, CHUNK, 3, 24 * 4)  # lengths 5 and 2 * CHUNK + 1: bytes
+    assert table[:4].tolist() == s.tolist() and table[4:8].tolist() == d.tolist()
+    assert table[8:12].tolist() == n.tolist()
+
+
+def test_pieces_cover_the_longest_entry_and_bound_the_grid():
+    # Typical KV batches: the smallest chunk, pieces enough for the longest entry.
+    assert plan_pieces(1070, 135168, 35_000_000, CHUNK) == (CHUNK, 5)
+    assert plan_pieces(62, 4_718_592, 35_000_000, CHUNK) == (CHUNK, 144)
+    assert plan_pieces(1, 5, 5, CHUNK) == (CHUNK, 1)
+    # One huge entry among many small ones: larger chunks, so idle programs stay few.
+    entries, longest = 2000, 5 << 20
+    total = longest + (entries - 1) * 8192
+    chunk, pieces = plan_pieces(entries, longest, total, CHUNK)
+    assert chunk > CHUNK and chunk & (chunk - 1) == 0 and pieces * chunk >= longest
+    assert entries * pieces <= 8 * (entries + total // chunk) + 8192
+    # Never more pieces than a grid's y dimension takes.
+    chunk, pieces = plan_pieces(1, 1 << 45, 1 << 45, CHUNK)  # the longest entry the CUDA path takes
+    assert pieces <= 65535 and pieces * chunk >= 1 << 45 and chunk < 1 << 31  # chunk is an int32 argument
+
+
+def test_all_empty_entries_need_no_program():
+    s, d, n = as_batch([16, 0], [32, 0], [0, 0])
+    assert fill_launch_table(GrowingTable(64), s, d, n, CHUNK)[1:4] == (16, 0, 0)
+
+
+@pytest.mark.parametrize("needle, srcs, dsts, lengths", [b for b in BAD_BATCHES if "shape" not in b[0]
+                                                         and "not unsigned" not in b[0]
+                                                         and "negative" not in b[0]])
+def test_launch_table_refuses_what_as_batch_refuses(needle, srcs, dsts, lengths):
+    s, d, n = (np.array(v, dtype=np.uint64) for v in (srcs, dsts, lengths))
+    with pytest.raises(BatchCopyError, match=needle):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
+
+
+def test_launch_table_refuses_what_no_gpu_has():
+    s, d, n = as_batch([1 << 62], [4096], [16])
+    with pytest.raises(BatchCopyError, match="no GPU address range"):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
+    s, d, n = as_batch([4096], [1 << 50], [(1 << 45) + 1])
+    with pytest.raises(BatchCopyError, match="beyond any GPU"):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
 
 
 def run_in_subprocess(code: str, env: dict | None = None):
@@ -223,7 +267,7 @@ INTERPRETED_KERNEL = """
     sys.path.insert(0, {test_dir!r})
     from test_batch_copy import random_batch, expected_bytes
     from sglang_dsv41.core import batch_copy_kernel as k
-    from sglang_dsv41.core.batch_copy import as_batch, batch_word, launch_programs, launch_table_bytes, write_launch_table
+    from sglang_dsv41.core.batch_copy import as_batch, fill_launch_table
 
     def run(seed, align, entries, max_len):
         rng = np.random.default_rng(seed)
@@ -234,15 +278,12 @@ INTERPRETED_KERNEL = """
         n[rng.integers(0, entries)] = 0  # an entry with nothing to copy owns no program
         s, d, n = as_batch(s, d, n)
         want = expected_bytes(src.numpy(), dst.numpy(), sb, db, s, d, n)
-        per_entry = launch_programs(n, k.CHUNK_BYTES)
-        table = np.zeros(launch_table_bytes(len(n), int(per_entry.sum())) + 8, dtype=np.uint8)
-        write_launch_table(table, s, d, n, per_entry)
-        word = batch_word(s, d, n)
-        grid = (int(per_entry.sum()),)
-        k.batch_copy_kernel[grid](torch.from_numpy(table[: len(table) // 8 * 8]).view(torch.int64), len(n),
-                                  WORD=word, CHUNK=k.CHUNK_BYTES, BLOCK=k.BLOCK_ELEMENTS[word])
+        table, word, chunk, pieces, used = fill_launch_table(
+            lambda nbytes: np.zeros(nbytes // 8, np.uint64), s, d, n, k.MIN_CHUNK_BYTES)
+        k.batch_copy_kernel[(len(n), pieces)](torch.from_numpy(table).view(torch.int64), len(n), chunk,
+                                              WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
         ok = np.array_equal(dst.numpy(), want)
-        print("CASE", seed, align, word, len(n), grid[0], "ok" if ok else "MISMATCH")
+        print("CASE", seed, align, word, len(n), pieces, "ok" if ok else "MISMATCH")
 
     for seed, align, entries, max_len in ((1, 16, 40, 100_000), (2, 8, 40, 70_000), (3, 1, 25, 70_000),
                                           (4, 16, 200, 9_000), (5, 1, 60, 5_000)):
@@ -279,9 +320,9 @@ def test_kernel_compiles_for_hopper_with_wide_accesses():
     for word in (16, 1):
         source = ASTSource(
             k.batch_copy_kernel,
-            signature={"table": "*i64", "n_entries": "i32", "WORD": "constexpr",
-                       "CHUNK": "constexpr", "BLOCK": "constexpr"},
-            constexprs={"WORD": word, "CHUNK": k.CHUNK_BYTES, "BLOCK": k.BLOCK_ELEMENTS[word]})
+            signature={"table": "*i64", "n_entries": "i32", "chunk": "i32", "WORD": "constexpr",
+                       "BLOCK": "constexpr"},
+            constexprs={"WORD": word, "BLOCK": k.BLOCK_ELEMENTS[word]})
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         except Exception as exc:  # no bundled ptxas on this platform

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -70,12 +71,7 @@ def _as_uint64(values, name: str) -> np.ndarray:
         raise BatchCopyError(f"batch {name} are not unsigned 64-bit integers: {exc}") from exc
 
 
-def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate and convert a batch to three contiguous uint64 arrays.
-
-    Refuses negative or non-integer values, arrays of different shapes, a
-    range that wraps past 2**64, and a null pointer with a non-zero length.
-    """
+def _converted(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     s = _as_uint64(srcs, "source pointers")
     d = _as_uint64(dsts, "destination pointers")
     n = _as_uint64(lengths, "lengths")
@@ -83,6 +79,16 @@ def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise BatchCopyError(
             f"batch arrays differ in shape: {s.shape}, {d.shape}, {n.shape}"
         )
+    return s, d, n
+
+
+def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and convert a batch to three contiguous uint64 arrays.
+
+    Refuses negative or non-integer values, arrays of different shapes, a
+    range that wraps past 2**64, and a null pointer with a non-zero length.
+    """
+    s, d, n = _converted(srcs, dsts, lengths)
     if len(n):
         # Cheap bounds first (this is on the transfer path); exact checks only when they fail.
         if max(int(s.max()), int(d.max())) + int(n.max()) > _U64_MAX:
@@ -123,58 +129,75 @@ class HostBatchCopy:
 # --- CUDA ---------------------------------------------------------------------
 
 BACKENDS = ("triton", "memcpy-async")
-_MAX_PROGRAMS = (1 << 31) - 1  # a 1-D grid's limit
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
+
+
+def _word_of(bits: int) -> int:
+    if bits & 15 == 0:
+        return 16
+    return 8 if bits & 7 == 0 else 1
 
 
 def batch_word(srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> int:
     """The widest access every entry allows: 16, 8 or 1 bytes."""
     if not len(lengths):
         return 16
-    bits = int(np.bitwise_or.reduce(srcs | dsts | lengths))
-    if bits & 15 == 0:
-        return 16
-    return 8 if bits & 7 == 0 else 1
+    return _word_of(int(np.bitwise_or.reduce(srcs | dsts | lengths)))
 
 
-_ENTRY_LIMIT = 1 << 62  # the CUDA path's largest entry: keeps its int64 arithmetic exact
+_ADDRESS_LIMIT = 1 << 62  # no GPU pointer reaches it; below it int64 arithmetic is exact
+_LENGTH_LIMIT = 1 << 45  # 32 TiB: keeps a piece of the largest entry within an int32 (grid y <= 65535)
+_MAX_ENTRIES = 1 << 28  # keeps the kernel's int32 column offsets exact
+_MAX_PIECES = 65535  # a grid's y limit
 
 
-def launch_programs(lengths: np.ndarray, chunk_bytes: int) -> np.ndarray:
-    """Programs per entry (int64): one per ``chunk_bytes`` piece; lengths below 2**62."""
-    shift = chunk_bytes.bit_length() - 1
-    return (lengths.view(np.int64) + (chunk_bytes - 1)) >> shift
+def plan_pieces(entries: int, longest: int, total: int, min_chunk: int) -> tuple[int, int]:
+    """(chunk bytes, pieces per entry) for a grid of entries x pieces.
 
-
-def launch_table_bytes(entries: int, programs: int) -> int:
-    """Size of the launch table the kernel reads (see ``batch_copy_kernel``)."""
-    return 32 * entries + 4 * programs
-
-
-_entry_ids = np.arange(0, dtype=np.int32)
-
-
-def write_launch_table(table: np.ndarray, srcs, dsts, lengths, per_entry: np.ndarray,
-                       ends: Optional[np.ndarray] = None) -> int:
-    """Fill ``table`` (uint8, 8-byte aligned, large enough) for the kernel; returns bytes used.
-
-    ``ends`` is ``np.cumsum(per_entry)`` when the caller has it already.
+    Starts at ``min_chunk`` (many programs per large entry, spread over the
+    SMs) and doubles while programs that find their entry already ended would
+    outnumber the useful ones by far (one huge entry among many small ones).
     """
-    global _entry_ids
+    chunk = min_chunk
+    while True:
+        pieces = -(-longest // chunk)
+        useful = entries + total // chunk
+        if pieces <= _MAX_PIECES and (pieces == 1 or entries * pieces <= 8 * useful + 8192):
+            return chunk, pieces
+        chunk *= 2
+
+
+def fill_launch_table(reserve, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray,
+                      min_chunk: int) -> tuple[np.ndarray, int, int, int, int]:
+    """Write the kernel's launch table; returns (table, word, chunk, pieces, bytes used).
+
+    ``srcs``, ``dsts``, ``lengths``: equal-length uint64 arrays (not empty).
+    ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
+    The table is the three columns one after the other. ``pieces`` 0: nothing
+    to copy. Validates as ``as_batch`` does, with cheap bounds first (this is
+    the transfer's hot path).
+    """
     n = len(lengths)
-    if ends is None:
-        ends = np.cumsum(per_entry)
-    programs = int(ends[-1]) if n else 0
-    used = launch_table_bytes(n, programs)
-    words = table[: 32 * n].view(np.uint64)
-    words[:n] = srcs
-    words[n:2 * n] = dsts
-    words[2 * n:3 * n] = lengths
-    np.subtract(ends, per_entry, out=words[3 * n:4 * n].view(np.int64))  # each entry's first program
-    if len(_entry_ids) < n:
-        _entry_ids = np.arange(max(n, 2 * len(_entry_ids), 4096), dtype=np.int32)
-    table[32 * n:used].view(np.int32)[:] = np.repeat(_entry_ids[:n], per_entry)
-    return used
+    if n > _MAX_ENTRIES:
+        raise BatchCopyError(f"batch of {n} entries is more than one launch takes ({_MAX_ENTRIES})")
+    used = 24 * n
+    table = reserve(used)
+    words = table[:3 * n]
+    np.concatenate((srcs, dsts, lengths), out=words)
+    top = int(words.max())
+    if top >= _ADDRESS_LIMIT or not table[:2 * n].min():
+        as_batch(srcs, dsts, lengths)  # the exact checks, with their messages
+        if top >= _ADDRESS_LIMIT:
+            raise BatchCopyError(f"batch holds a pointer or length of {top:#x}: no GPU address range")
+    word = _word_of(int(np.bitwise_or.reduce(words)))
+    longest = int(lengths.max())
+    if not longest:
+        return table, word, 0, 0, used
+    if longest > _LENGTH_LIMIT:
+        raise BatchCopyError(f"batch entry of {longest} bytes is beyond any GPU's memory")
+    chunk, pieces = plan_pieces(n, longest, int(lengths.sum()), min_chunk)
+    return table, word, chunk, pieces, used
 
 
 def _torch():
@@ -195,23 +218,10 @@ def _triton_kernel():
 
 
 class _CudaRuntime:
-    """The few CUDA runtime calls the memcpy-async path needs, through ctypes."""
+    """The few CUDA runtime calls this module makes itself, through ctypes."""
 
-    def __init__(self):
-        from sglang_dsv41.core.memory_access import _libcudart_candidates
-
-        errors = []
-        for candidate in _libcudart_candidates():
-            try:
-                lib = ctypes.CDLL(candidate)
-                lib.cudaMemcpyAsync  # noqa: B018 (probe the symbol)
-            except (OSError, AttributeError) as exc:
-                errors.append(f"{candidate}: {exc}")
-                continue
-            self.lib, self.path = lib, candidate
-            break
-        else:
-            raise BatchCopyError("no CUDA runtime library found (" + "; ".join(errors[:3]) + ")")
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.lib, self.path = lib, path
         vp, sz, ci = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
         for name, args in (("cudaMemcpyAsync", [vp, vp, sz, ci, vp]),
                            ("cudaStreamSynchronize", [vp]),
@@ -222,6 +232,25 @@ class _CudaRuntime:
             fn.argtypes, fn.restype = args, ci
         lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [ci], ctypes.c_char_p
 
+    @classmethod
+    def find(cls, loaded_only: bool) -> "_CudaRuntime":
+        """The CUDA runtime; ``loaded_only``: only one already in the process (torch's own).
+
+        Torch's own runtime shares torch's current device and streams, so
+        calls through it need no torch context managers.
+        """
+        from sglang_dsv41.core.memory_access import _libcudart_candidates
+
+        mode = (os.RTLD_NOLOAD | os.RTLD_LAZY) if loaded_only else ctypes.DEFAULT_MODE
+        errors = []
+        for candidate in _libcudart_candidates():
+            try:
+                lib = ctypes.CDLL(candidate, mode=mode)
+                return cls(lib, candidate)
+            except (OSError, AttributeError) as exc:
+                errors.append(f"{candidate}: {exc}")
+        raise BatchCopyError("no CUDA runtime library found (" + "; ".join(errors[:3]) + ")")
+
     def error(self, code: int) -> str:
         text = self.lib.cudaGetErrorString(code)
         return f"{code} ({text.decode(errors='replace') if text else 'unknown'})"
@@ -230,23 +259,27 @@ class _CudaRuntime:
 class _Lane:
     """One caller's stream and launch-table buffers; lanes are never shared at once."""
 
-    def __init__(self, torch, device: int, capacity: int):
+    def __init__(self, torch, device: int):
+        self._torch = torch
+        self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.stream_handle = self.stream.cuda_stream
         self.capacity = 0
-        self.reserve(torch, device, capacity)
+        self.reserve(64 << 10)
 
-    def reserve(self, torch, device: int, nbytes: int) -> None:
-        if nbytes <= self.capacity:
-            return
-        capacity = max(nbytes, 2 * self.capacity, 64 << 10)
-        capacity = (capacity + 4095) & ~4095
-        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.device_table = torch.empty(capacity // 8, dtype=torch.int64, device=f"cuda:{device}")
-        self.device_bytes = self.device_table.view(torch.uint8)
-        self.device_ptr = self.device_table.data_ptr()
-        self.capacity = capacity
+    def reserve(self, nbytes: int) -> np.ndarray:
+        """The pinned table as uint64, at least ``nbytes`` long; the device table grows with it."""
+        if nbytes > self.capacity:
+            torch = self._torch
+            capacity = (max(nbytes, 2 * self.capacity) + 4095) & ~4095
+            self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            self.host_words = self.host.numpy().view(np.uint64)
+            self.host_ptr = self.host.data_ptr()
+            self.device_table = torch.empty(capacity // 8, dtype=torch.int64, device=f"cuda:{self.device}")
+            self.device_bytes = self.device_table.view(torch.uint8)
+            self.device_ptr = self.device_table.data_ptr()
+            self.capacity = capacity
+        return self.host_words
 
 
 class CudaBatchCopy:
@@ -275,8 +308,13 @@ class CudaBatchCopy:
         self._compiled: dict[int, object] = {}
         self._fast_launch = True
         self._kernels = None
-        self._runtime = None
         self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
+        with torch.cuda.device(device):
+            torch.cuda.init()
+        try:
+            self._runtime: Optional[_CudaRuntime] = _CudaRuntime.find(loaded_only=True)
+        except BatchCopyError:
+            self._runtime = None  # the triton path then uploads and waits through torch
         if prefer in (None, "triton"):
             kernels, reason = _triton_kernel()
             if kernels is not None:
@@ -290,8 +328,8 @@ class CudaBatchCopy:
                 if prefer == "triton":
                     raise BatchCopyError(f"batch copy backend 'triton' is unusable: {reason}")
                 self.fallback_reason = reason
-        if self._kernels is None:
-            self._runtime = _CudaRuntime()
+        if self._kernels is None and self._runtime is None:
+            self._runtime = _CudaRuntime.find(loaded_only=False)
         self.backend = "triton" if self._kernels is not None else "memcpy-async"
 
     # -- memory
@@ -316,24 +354,30 @@ class CudaBatchCopy:
 
     def copy(self, srcs, dsts, lengths) -> None:
         started = time.perf_counter()
-        s, d, n = as_batch(srcs, dsts, lengths)
-        if not len(n) or not n.any():
+        s, d, n = _converted(srcs, dsts, lengths)
+        if not len(n):
             return
         with self._lock:
             lane = self._lanes.pop() if self._lanes else None
+        torch = self._torch
+        previous = torch.cuda.current_device()
+        if previous != self.device:
+            torch.cuda.set_device(self.device)
         try:
             if lane is None:
-                with self._torch.cuda.device(self.device):
-                    lane = _Lane(self._torch, self.device, 64 << 10)
+                lane = _Lane(torch, self.device)
             if self._kernels is not None:
                 self._copy_kernel(lane, s, d, n, started)
             else:
+                as_batch(s, d, n)
                 self._copy_memcpy(lane, s, d, n, started)
         except BatchCopyError:
             raise
         except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
             raise BatchCopyError(f"batch copy of {len(n)} entries on cuda:{self.device} failed: {exc}") from exc
         finally:
+            if previous != self.device:
+                torch.cuda.set_device(previous)
             if lane is not None:
                 with self._lock:
                     self._lanes.append(lane)
@@ -345,44 +389,47 @@ class CudaBatchCopy:
                 compiled = self._compiled.get(word)
                 if compiled is None:
                     dummy = self._torch.empty(2, dtype=self._torch.int64, device=f"cuda:{self.device}")
-                    # 3: an entry count of no special value (not 1, not a multiple of 16)
                     compiled = kernels.batch_copy_kernel.warmup(
-                        dummy, 3, WORD=word, CHUNK=kernels.CHUNK_BYTES,
+                        dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word,
                         BLOCK=kernels.BLOCK_ELEMENTS[word], grid=(1,))
                     self._compiled[word] = compiled
         return compiled
 
     def _copy_kernel(self, lane: _Lane, s, d, n, started: float) -> None:
         kernels = self._kernels
-        torch = self._torch
-        chunk = kernels.CHUNK_BYTES
-        if int(n.max()) >= _ENTRY_LIMIT:
-            raise BatchCopyError(f"batch entry of {int(n.max())} bytes is beyond any GPU's memory")
-        per_entry = launch_programs(n, chunk)
-        ends = np.cumsum(per_entry)
-        programs = int(ends[-1])
-        if programs > _MAX_PROGRAMS:
-            raise BatchCopyError(f"batch needs {programs} kernel programs, more than one launch allows")
-        word = batch_word(s, d, n)
+        _, word, chunk, pieces, used = fill_launch_table(lane.reserve, s, d, n, kernels.MIN_CHUNK_BYTES)
+        if not pieces:
+            return
         entries = len(n)
-        with torch.cuda.device(self.device):
-            lane.reserve(torch, self.device, launch_table_bytes(entries, programs))
-            used = write_launch_table(lane.host_np, s, d, n, per_entry, ends)
-            compiled = self._compile(kernels, word)
-            with torch.cuda.stream(lane.stream):
+        compiled = self._compile(kernels, word)
+        block = kernels.BLOCK_ELEMENTS[word]
+        rt = self._runtime
+        if rt is not None:
+            err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, _CUDA_MEMCPY_HOST_TO_DEVICE,
+                                         lane.stream_handle)
+            if err:
+                rt.lib.cudaGetLastError()
+                raise BatchCopyError(f"uploading the launch table failed: {rt.error(err)}")
+        else:
+            with self._torch.cuda.stream(lane.stream):
                 lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True)
-                block = kernels.BLOCK_ELEMENTS[word]
-                if self._fast_launch:
-                    try:
-                        # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
-                        compiled[(programs, 1, 1)](lane.device_ptr, entries, word, chunk, block,
-                                                   stream=lane.stream_handle)
-                    except (TypeError, AttributeError):  # a Triton whose launcher differs
-                        self._fast_launch = False
-                if not self._fast_launch:
-                    kernels.batch_copy_kernel[(programs,)](
-                        lane.device_table, entries, WORD=word, CHUNK=chunk, BLOCK=block)
-            self.last_submit_s = time.perf_counter() - started
+        if self._fast_launch:
+            try:
+                # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
+                compiled[(entries, pieces, 1)](lane.device_ptr, entries, chunk, word, block,
+                                               stream=lane.stream_handle)
+            except (TypeError, AttributeError):  # a Triton whose launcher differs
+                self._fast_launch = False
+        if not self._fast_launch:
+            with self._torch.cuda.stream(lane.stream):
+                kernels.batch_copy_kernel[(entries, pieces)](lane.device_table, entries, chunk,
+                                                             WORD=word, BLOCK=block)
+        self.last_submit_s = time.perf_counter() - started
+        if rt is not None:
+            err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
+            if err:
+                raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
+        else:
             lane.stream.synchronize()
 
     def _copy_memcpy(self, lane: _Lane, s, d, n, started: float) -> None:
@@ -390,7 +437,7 @@ class CudaBatchCopy:
         lib = rt.lib
         current = ctypes.c_int(-1)
         lib.cudaGetDevice(ctypes.byref(current))
-        err = lib.cudaSetDevice(self.device)
+        err = lib.cudaSetDevice(self.device)  # a runtime other than torch's has a current device of its own
         if err:
             raise BatchCopyError(f"cudaSetDevice({self.device}) failed: {rt.error(err)}")
         try:
