@@ -291,7 +291,18 @@ INTERPRETED_KERNEL = """
 """
 
 
+def numpy_takes_int_of_one_element_arrays() -> bool:
+    try:
+        int(np.array([1]))
+    except TypeError:
+        return False
+    return True
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton or torch not installed")
+@pytest.mark.skipif(not numpy_takes_int_of_one_element_arrays(),
+                    reason="Triton's interpreter turns a loop bound loaded from memory into int(1-element array), "
+                           "which this numpy refuses (seen with numpy 2.5 and Triton 3.6)")
 def test_kernel_is_byte_exact_in_the_triton_interpreter():
     from pathlib import Path
 
