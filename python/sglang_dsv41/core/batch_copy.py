@@ -7,17 +7,28 @@ the caller hands the destination to a transfer engine or marks it complete
 right after.
 
 ``HostBatchCopy`` copies plain host memory (tests and CPU-only machines);
-the CUDA implementation lives beside it and is chosen with ``batch_copy_for``.
-Nothing here imports sglang.
+``CudaBatchCopy`` copies on one GPU and is chosen with ``batch_copy_for``:
+one Triton kernel launch for the whole batch ("triton"), or, where Triton is
+missing, one cudaMemcpyAsync per entry ("memcpy-async"). Entries must not
+overlap. A CUDA copy is ordered after nothing the caller queued on other
+streams: the sources must be complete when ``copy`` is called.
+Nothing here imports sglang; torch and triton are imported on first use.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
+import os
+import threading
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import numpy as np
+
+
+_U64_MAX = (1 << 64) - 1
 
 
 class BatchCopyError(RuntimeError):
@@ -43,18 +54,57 @@ class BatchCopy(Protocol):
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
 
 
-def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate and convert a batch to three contiguous uint64 arrays."""
+def _as_uint64(values, name: str) -> np.ndarray:
+    # A cast alone would wrap -1 to 2**64 - 1 and truncate 1.5 to 1: refuse both.
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    kind = arr.dtype.kind
+    if kind == "i":
+        if arr.size and arr.min() < 0:
+            raise BatchCopyError(f"batch {name} holds a negative value ({int(arr.min())})")
+    elif kind != "u" and not (arr.size == 0 and kind == "f"):  # [] comes as float64
+        raise BatchCopyError(
+            f"batch {name} are not unsigned 64-bit integers (dtype {arr.dtype})"
+        )
     try:
-        s = np.ascontiguousarray(srcs, dtype=np.uint64)
-        d = np.ascontiguousarray(dsts, dtype=np.uint64)
-        n = np.ascontiguousarray(lengths, dtype=np.uint64)
+        return np.ascontiguousarray(arr, dtype=np.uint64)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise BatchCopyError(f"batch arrays are not unsigned 64-bit integers: {exc}") from exc
+        raise BatchCopyError(f"batch {name} are not unsigned 64-bit integers: {exc}") from exc
+
+
+def _converted(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    s = _as_uint64(srcs, "source pointers")
+    d = _as_uint64(dsts, "destination pointers")
+    n = _as_uint64(lengths, "lengths")
     if not (s.ndim == d.ndim == n.ndim == 1) or not (len(s) == len(d) == len(n)):
         raise BatchCopyError(
             f"batch arrays differ in shape: {s.shape}, {d.shape}, {n.shape}"
         )
+    return s, d, n
+
+
+def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and convert a batch to three contiguous uint64 arrays.
+
+    Refuses negative or non-integer values, arrays of different shapes, a
+    range that wraps past 2**64, and a null pointer with a non-zero length.
+    """
+    s, d, n = _converted(srcs, dsts, lengths)
+    if len(n):
+        # Cheap bounds first (this is on the transfer path); exact checks only when they fail.
+        if max(int(s.max()), int(d.max())) + int(n.max()) > _U64_MAX:
+            # ~p is 2**64 - 1 - p: a length above it makes p + length wrap.
+            wraps = (n > ~s) | (n > ~d)
+            if wraps.any():
+                i = int(np.flatnonzero(wraps)[0])
+                raise BatchCopyError(
+                    f"batch entry {i}: {int(n[i])} bytes from {int(s[i]):#x} to {int(d[i]):#x} "
+                    "run past the end of the address space"
+                )
+        if not (s.min() and d.min()):
+            null = ((s == 0) | (d == 0)) & (n != 0)
+            if null.any():
+                i = int(np.flatnonzero(null)[0])
+                raise BatchCopyError(f"batch entry {i}: null pointer with {int(n[i])} bytes")
     return s, d, n
 
 
@@ -74,3 +124,363 @@ class HostBatchCopy:
         for src, dst, length in zip(s.tolist(), d.tolist(), n.tolist()):
             if length:
                 ctypes.memmove(dst, src, length)
+
+
+# --- CUDA ---------------------------------------------------------------------
+
+BACKENDS = ("triton", "memcpy-async")
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1
+_CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
+
+
+def _word_of(bits: int) -> int:
+    if bits & 15 == 0:
+        return 16
+    return 8 if bits & 7 == 0 else 1
+
+
+def batch_word(srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> int:
+    """The widest access every entry allows: 16, 8 or 1 bytes."""
+    if not len(lengths):
+        return 16
+    return _word_of(int(np.bitwise_or.reduce(srcs | dsts | lengths)))
+
+
+_ADDRESS_LIMIT = 1 << 62  # no GPU pointer reaches it; below it int64 arithmetic is exact
+_LENGTH_LIMIT = 1 << 45  # 32 TiB: keeps a piece of the largest entry within an int32 (grid y <= 65535)
+_MAX_ENTRIES = 1 << 28  # keeps the kernel's int32 column offsets exact
+_MAX_PIECES = 65535  # a grid's y limit
+
+
+def plan_pieces(entries: int, longest: int, total: int, min_chunk: int) -> tuple[int, int]:
+    """(chunk bytes, pieces per entry) for a grid of entries x pieces.
+
+    Starts at ``min_chunk`` (many programs per large entry, spread over the
+    SMs) and doubles while programs that find their entry already ended would
+    outnumber the useful ones by far (one huge entry among many small ones).
+    """
+    chunk = min_chunk
+    while True:
+        pieces = -(-longest // chunk)
+        useful = entries + total // chunk
+        if pieces <= _MAX_PIECES and (pieces == 1 or entries * pieces <= 8 * useful + 8192):
+            return chunk, pieces
+        chunk *= 2
+
+
+def fill_launch_table(reserve, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray,
+                      min_chunk: int) -> tuple[np.ndarray, int, int, int, int]:
+    """Write the kernel's launch table; returns (table, word, chunk, pieces, bytes used).
+
+    ``srcs``, ``dsts``, ``lengths``: equal-length uint64 arrays (not empty).
+    ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
+    The table is the three columns one after the other. ``pieces`` 0: nothing
+    to copy. Validates as ``as_batch`` does, with cheap bounds first (this is
+    the transfer's hot path).
+    """
+    n = len(lengths)
+    if n > _MAX_ENTRIES:
+        raise BatchCopyError(f"batch of {n} entries is more than one launch takes ({_MAX_ENTRIES})")
+    used = 24 * n
+    table = reserve(used)
+    words = table[:3 * n]
+    np.concatenate((srcs, dsts, lengths), out=words)
+    top = int(words.max())
+    if top >= _ADDRESS_LIMIT or not table[:2 * n].min():
+        as_batch(srcs, dsts, lengths)  # the exact checks, with their messages
+        if top >= _ADDRESS_LIMIT:
+            raise BatchCopyError(f"batch holds a pointer or length of {top:#x}: no GPU address range")
+    word = _word_of(int(np.bitwise_or.reduce(words)))
+    longest = int(lengths.max())
+    if not longest:
+        return table, word, 0, 0, used
+    if longest > _LENGTH_LIMIT:
+        raise BatchCopyError(f"batch entry of {longest} bytes is beyond any GPU's memory")
+    chunk, pieces = plan_pieces(n, longest, int(lengths.sum()), min_chunk)
+    return table, word, chunk, pieces, used
+
+
+def _torch():
+    try:
+        import torch
+    except Exception as exc:  # not installed, or a broken install
+        raise BatchCopyError(f"CUDA batch copy needs torch, which does not import: {exc}") from exc
+    return torch
+
+
+def _triton_kernel():
+    """The kernel module, or the reason it cannot be used."""
+    try:
+        from sglang_dsv41.core import batch_copy_kernel
+    except Exception as exc:
+        return None, f"triton does not import: {exc}"
+    return batch_copy_kernel, None
+
+
+class _CudaRuntime:
+    """The few CUDA runtime calls this module makes itself, through ctypes."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.lib, self.path = lib, path
+        vp, sz, ci = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        for name, args in (("cudaMemcpyAsync", [vp, vp, sz, ci, vp]),
+                           ("cudaStreamSynchronize", [vp]),
+                           ("cudaSetDevice", [ci]),
+                           ("cudaGetDevice", [ctypes.POINTER(ci)]),
+                           ("cudaGetLastError", [])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ci
+        lib.cudaGetErrorString.argtypes, lib.cudaGetErrorString.restype = [ci], ctypes.c_char_p
+
+    @classmethod
+    def find(cls, loaded_only: bool) -> "_CudaRuntime":
+        """The CUDA runtime; ``loaded_only``: only one already in the process (torch's own).
+
+        Torch's own runtime shares torch's current device and streams, so
+        calls through it need no torch context managers.
+        """
+        from sglang_dsv41.core.memory_access import _libcudart_candidates
+
+        mode = (os.RTLD_NOLOAD | os.RTLD_LAZY) if loaded_only else ctypes.DEFAULT_MODE
+        errors = []
+        for candidate in _libcudart_candidates():
+            try:
+                lib = ctypes.CDLL(candidate, mode=mode)
+                return cls(lib, candidate)
+            except (OSError, AttributeError) as exc:
+                errors.append(f"{candidate}: {exc}")
+        raise BatchCopyError("no CUDA runtime library found (" + "; ".join(errors[:3]) + ")")
+
+    def error(self, code: int) -> str:
+        text = self.lib.cudaGetErrorString(code)
+        return f"{code} ({text.decode(errors='replace') if text else 'unknown'})"
+
+
+class _Lane:
+    """One caller's stream and launch-table buffers; lanes are never shared at once."""
+
+    def __init__(self, torch, device: int):
+        self._torch = torch
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream_handle = self.stream.cuda_stream
+        self.capacity = 0
+        self.reserve(64 << 10)
+
+    def reserve(self, nbytes: int) -> np.ndarray:
+        """The pinned table as uint64, at least ``nbytes`` long; the device table grows with it."""
+        if nbytes > self.capacity:
+            torch = self._torch
+            capacity = (max(nbytes, 2 * self.capacity) + 4095) & ~4095
+            self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            self.host_words = self.host.numpy().view(np.uint64)
+            self.host_ptr = self.host.data_ptr()
+            self.device_table = torch.empty(capacity // 8, dtype=torch.int64, device=f"cuda:{self.device}")
+            self.device_bytes = self.device_table.view(torch.uint8)
+            self.device_ptr = self.device_table.data_ptr()
+            self.capacity = capacity
+        return self.host_words
+
+
+class CudaBatchCopy:
+    """Batched copies on one GPU, on dedicated streams; ``copy`` returns once they landed.
+
+    ``backend`` is "triton" (one kernel launch per batch, after one small
+    host-to-device copy of the launch table) or "memcpy-async" (one
+    cudaMemcpyAsync per entry). Thread-safe: each concurrent call takes a lane
+    (stream, pinned and device table buffers) of its own, reused afterwards.
+    """
+
+    def __init__(self, device: int, prefer: Optional[str] = None):
+        if prefer not in (None, *BACKENDS):
+            raise BatchCopyError(f"unknown batch copy backend {prefer!r} (one of {', '.join(BACKENDS)})")
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
+        count = torch.cuda.device_count()
+        if not isinstance(device, int) or not 0 <= device < count:
+            raise BatchCopyError(f"CUDA device {device!r} does not exist ({count} visible)")
+        self._torch = torch
+        self.device = device
+        self.fallback_reason: Optional[str] = None
+        self._lock = threading.Lock()
+        self._lanes: list[_Lane] = []
+        self._compiled: dict[int, object] = {}
+        self._fast_launch = True
+        self._kernels = None
+        self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
+        with torch.cuda.device(device):
+            torch.cuda.init()
+        try:
+            self._runtime: Optional[_CudaRuntime] = _CudaRuntime.find(loaded_only=True)
+        except BatchCopyError:
+            self._runtime = None  # the triton path then uploads and waits through torch
+        if prefer in (None, "triton"):
+            kernels, reason = _triton_kernel()
+            if kernels is not None:
+                try:
+                    with torch.cuda.device(device):
+                        self._compile(kernels, 16)  # probe: a compiler problem shows here, not mid-transfer
+                    self._kernels = kernels
+                except Exception as exc:
+                    reason = f"the triton kernel does not compile: {exc}"
+            if self._kernels is None:
+                if prefer == "triton":
+                    raise BatchCopyError(f"batch copy backend 'triton' is unusable: {reason}")
+                self.fallback_reason = reason
+        if self._kernels is None and self._runtime is None:
+            self._runtime = _CudaRuntime.find(loaded_only=False)
+        self.backend = "triton" if self._kernels is not None else "memcpy-async"
+
+    # -- memory
+
+    def allocate(self, nbytes: int) -> Allocation:
+        try:
+            nbytes = operator.index(nbytes)
+        except TypeError:
+            raise BatchCopyError(f"cannot allocate {nbytes!r} bytes") from None
+        if nbytes <= 0:
+            raise BatchCopyError(f"cannot allocate {nbytes} bytes")
+        torch = self._torch
+        try:
+            tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            # Zeroed on the device's current stream; our streams do not wait for it.
+            torch.cuda.current_stream(self.device).synchronize()
+        except Exception as exc:  # out of memory, device failure
+            raise BatchCopyError(f"cannot allocate {nbytes} bytes on cuda:{self.device}: {exc}") from exc
+        return Allocation(tensor.data_ptr(), nbytes, tensor)
+
+    # -- copying
+
+    def copy(self, srcs, dsts, lengths) -> None:
+        started = time.perf_counter()
+        s, d, n = _converted(srcs, dsts, lengths)
+        if not len(n):
+            return
+        with self._lock:
+            lane = self._lanes.pop() if self._lanes else None
+        torch = self._torch
+        previous = torch.cuda.current_device()
+        if previous != self.device:
+            torch.cuda.set_device(self.device)
+        try:
+            if lane is None:
+                lane = _Lane(torch, self.device)
+            if self._kernels is not None:
+                self._copy_kernel(lane, s, d, n, started)
+            else:
+                as_batch(s, d, n)
+                self._copy_memcpy(lane, s, d, n, started)
+        except BatchCopyError:
+            raise
+        except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
+            raise BatchCopyError(f"batch copy of {len(n)} entries on cuda:{self.device} failed: {exc}") from exc
+        finally:
+            if previous != self.device:
+                torch.cuda.set_device(previous)
+            if lane is not None:
+                with self._lock:
+                    self._lanes.append(lane)
+
+    def _compile(self, kernels, word: int):
+        compiled = self._compiled.get(word)
+        if compiled is None:
+            with self._lock:
+                compiled = self._compiled.get(word)
+                if compiled is None:
+                    dummy = self._torch.empty(2, dtype=self._torch.int64, device=f"cuda:{self.device}")
+                    compiled = kernels.batch_copy_kernel.warmup(
+                        dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word,
+                        BLOCK=kernels.BLOCK_ELEMENTS[word], grid=(1,))
+                    self._compiled[word] = compiled
+        return compiled
+
+    def _copy_kernel(self, lane: _Lane, s, d, n, started: float) -> None:
+        kernels = self._kernels
+        _, word, chunk, pieces, used = fill_launch_table(lane.reserve, s, d, n, kernels.MIN_CHUNK_BYTES)
+        if not pieces:
+            return
+        entries = len(n)
+        compiled = self._compile(kernels, word)
+        block = kernels.BLOCK_ELEMENTS[word]
+        rt = self._runtime
+        if rt is not None:
+            err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, _CUDA_MEMCPY_HOST_TO_DEVICE,
+                                         lane.stream_handle)
+            if err:
+                rt.lib.cudaGetLastError()
+                raise BatchCopyError(f"uploading the launch table failed: {rt.error(err)}")
+        else:
+            with self._torch.cuda.stream(lane.stream):
+                lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True)
+        if self._fast_launch:
+            try:
+                # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
+                compiled[(entries, pieces, 1)](lane.device_ptr, entries, chunk, word, block,
+                                               stream=lane.stream_handle)
+            except (TypeError, AttributeError):  # a Triton whose launcher differs
+                self._fast_launch = False
+        if not self._fast_launch:
+            with self._torch.cuda.stream(lane.stream):
+                kernels.batch_copy_kernel[(entries, pieces)](lane.device_table, entries, chunk,
+                                                             WORD=word, BLOCK=block)
+        self.last_submit_s = time.perf_counter() - started
+        if rt is not None:
+            err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
+            if err:
+                raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
+        else:
+            lane.stream.synchronize()
+
+    def _copy_memcpy(self, lane: _Lane, s, d, n, started: float) -> None:
+        rt = self._runtime
+        lib = rt.lib
+        current = ctypes.c_int(-1)
+        lib.cudaGetDevice(ctypes.byref(current))
+        err = lib.cudaSetDevice(self.device)  # a runtime other than torch's has a current device of its own
+        if err:
+            raise BatchCopyError(f"cudaSetDevice({self.device}) failed: {rt.error(err)}")
+        try:
+            memcpy, stream, failed = lib.cudaMemcpyAsync, lane.stream_handle, None
+            for i, (dst, src, length) in enumerate(zip(d.tolist(), s.tolist(), n.tolist())):
+                if length:
+                    err = memcpy(dst, src, length, _CUDA_MEMCPY_DEFAULT, stream)
+                    if err:
+                        failed = (i, err)
+                        lib.cudaGetLastError()
+                        break
+            self.last_submit_s = time.perf_counter() - started
+            # Wait even after a failure: queued copies must not land after we return.
+            err = lib.cudaStreamSynchronize(stream)
+            if failed:
+                i, code = failed
+                raise BatchCopyError(
+                    f"cudaMemcpyAsync of batch entry {i} ({n[i]} bytes, {int(s[i]):#x} -> {int(d[i]):#x}) "
+                    f"failed: {rt.error(code)}")
+            if err:
+                raise BatchCopyError(f"cudaStreamSynchronize after a batch copy failed: {rt.error(err)}")
+        finally:
+            if current.value >= 0 and current.value != self.device:
+                lib.cudaSetDevice(current.value)
+
+
+def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> BatchCopy:
+    """The CUDA batch copier for ``device`` (None: the current one).
+
+    ``prefer`` picks "triton" or "memcpy-async"; None takes Triton when it
+    imports and compiles, else memcpy-async (``fallback_reason`` says why).
+    Raises BatchCopyError when no CUDA path is usable; the caller decides
+    whether host copies are an acceptable fallback.
+    """
+    if prefer not in (None, *BACKENDS):
+        raise BatchCopyError(f"unknown batch copy backend {prefer!r} (one of {', '.join(BACKENDS)})")
+    torch = _torch()
+    try:
+        usable = torch.cuda.is_available()
+    except Exception as exc:  # a driver that fails its own query
+        raise BatchCopyError(f"CUDA is not usable: {exc}") from exc
+    if not usable:
+        raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
+    if device is None:
+        device = torch.cuda.current_device()
+    return CudaBatchCopy(int(device), prefer)

@@ -1,0 +1,234 @@
+"""CudaBatchCopy on a real GPU, both paths (skips without CUDA).
+
+Byte-exact against per-entry torch copies: random batches (1..2,000 entries,
+1 B..5 MiB, aligned and unaligned), entries touching allocation ends with
+guard bytes around them, four threads at once, and a DeepSeek-V4.1 request
+gathered into one staging buffer and scattered back out.
+
+    PYTHONPATH=python python -m pytest test/gpu/test_batch_copy_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from sglang_dsv41.core.batch_copy import BatchCopyError, CudaBatchCopy, batch_copy_for  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+MiB = 1 << 20
+SRC_POOL = 256 * MiB
+DST_POOL = 1024 * MiB
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module", params=["triton", "memcpy-async"])
+def copier(request):
+    return CudaBatchCopy(0, prefer=request.param)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    src = torch.randint(0, 256, (SRC_POOL,), dtype=torch.uint8, device="cuda", generator=gen)
+    dst = torch.empty(DST_POOL, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    return src, dst
+
+
+def random_entries(rng, entries: int, align: int, src_size: int, dst_size: int, max_len: int = 5 * MiB):
+    """Offsets and lengths with disjoint destinations; lengths log-uniform in 1 B..max_len."""
+    lengths = np.exp(rng.uniform(0, np.log(max_len), size=entries)).astype(np.int64)
+    lengths = np.clip(lengths // align * align, align, max_len)
+    budget = dst_size // 2
+    if lengths.sum() > budget:  # keep the batch inside the destination pool
+        lengths = np.maximum(lengths * budget // lengths.sum() // align * align, align)
+    gaps = rng.integers(0, 3, size=entries) * align
+    dst_off = np.cumsum(gaps + lengths) - lengths
+    assert dst_off[-1] + lengths[-1] <= dst_size
+    perm = rng.permutation(entries)
+    dst_off, lengths = dst_off[perm], lengths[perm]
+    src_off = rng.integers(0, (src_size - lengths) // align + 1) * align
+    if align == 1:  # unaligned: shift pointers off every boundary as well
+        src_off = np.minimum(src_off + rng.integers(0, 16, size=entries), src_size - lengths)
+    return src_off, dst_off, lengths
+
+
+def reference(dst_before, src, src_off, dst_off, lengths):
+    want = dst_before.clone()
+    for a, b, n in zip(src_off.tolist(), dst_off.tolist(), lengths.tolist()):
+        want[b:b + n] = src[a:a + n]
+    return want
+
+
+def check_batch(copier, src, dst, src_off, dst_off, lengths):
+    dst.random_(0, 256)
+    torch.cuda.synchronize()
+    want = reference(dst, src, src_off, dst_off, lengths)
+    torch.cuda.synchronize()
+    copier.copy(src.data_ptr() + src_off.astype(np.uint64),
+                dst.data_ptr() + dst_off.astype(np.uint64), lengths.astype(np.uint64))
+    # copy() returned: the bytes are there without any further synchronization on our side.
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("align", [16, 8, 1])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_batches_are_byte_exact(copier, pools, align, seed):
+    src, dst = pools
+    rng = np.random.default_rng(seed * 100 + align)
+    entries = int(rng.choice([1, 2, 7, 300, 1068, 2000]) if seed else 2000)
+    check_batch(copier, src, dst, *random_entries(rng, entries, align, src.numel(), dst.numel()))
+
+
+def test_one_unaligned_entry_among_aligned_ones(copier, pools):
+    src, dst = pools
+    rng = np.random.default_rng(7)
+    src_off, dst_off, lengths = random_entries(rng, 500, 16, src.numel(), dst.numel(), max_len=64 * 1024)
+    lengths[250] -= 3  # this batch now runs on the byte path
+    check_batch(copier, src, dst, src_off, dst_off, lengths)
+
+
+def test_entries_touching_allocation_ends(copier):
+    """Exactly at the first and last byte of allocations, with guard bytes around the targets."""
+    for size in (4096, 65537, 5 * MiB + 3):
+        src = copier.allocate(size)
+        dst = copier.allocate(size + 2 * 4096)
+        s_t, d_t = src.keepalive, dst.keepalive
+        assert not d_t.any().item(), "allocate must hand out zeroed memory"
+        s_t.copy_(torch.randint(1, 256, (size,), dtype=torch.uint8, device=s_t.device))
+        d_t.fill_(0xA5)
+        torch.cuda.synchronize()
+        body = dst.ptr + 4096
+        half = size // 2
+        # Whole buffer end to end, then the two halves swapped, then single bytes at both ends.
+        copier.copy([src.ptr], [body], [size])
+        assert torch.equal(d_t[4096:4096 + size], s_t)
+        copier.copy([src.ptr + half, src.ptr], [body, body + size - half], [size - half, half])
+        assert torch.equal(d_t[4096:4096 + size - half], s_t[half:])
+        assert torch.equal(d_t[4096 + size - half:4096 + size], s_t[:half])
+        copier.copy([src.ptr + size - 1, src.ptr], [body, body + size - 1], [1, 1])
+        assert d_t[4096].item() == s_t[size - 1].item() and d_t[4096 + size - 1].item() == s_t[0].item()
+        assert (d_t[:4096] == 0xA5).all().item() and (d_t[4096 + size:] == 0xA5).all().item(), \
+            "bytes outside the entries were written"
+
+
+def test_four_threads_at_once(copier, pools):
+    src, dst = pools
+    slice_size = dst.numel() // 4
+    dst.zero_()
+    torch.cuda.synchronize()
+    errors, done = [], []
+
+    def worker(k):
+        try:
+            rng = np.random.default_rng(1000 + k)
+            base = k * slice_size
+            for round_ in range(6):
+                align = (16, 8, 1)[round_ % 3]
+                so, do, n = random_entries(rng, int(rng.integers(1, 1200)), align, src.numel(), slice_size,
+                                           max_len=2 * MiB)
+                copier.copy(src.data_ptr() + so.astype(np.uint64),
+                            dst.data_ptr() + base + do.astype(np.uint64), n.astype(np.uint64))
+                # Only this thread writes its slice: what it reads back must be exactly its batch.
+                for a, b, m in zip(so.tolist(), do.tolist(), n.tolist()):
+                    got = dst[base + b:base + b + m]
+                    if not torch.equal(got, src[a:a + m]):
+                        raise AssertionError(f"thread {k} round {round_}: entry at {b} differs")
+            done.append(k)
+        except Exception as exc:  # reported by the main thread
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert len(done) == 4
+
+
+def dsv41_request(tokens: int, layout: str):
+    """A DeepSeek-V4.1 request's blocks, as benchmarks/mooncake_routing.py builds them."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import mooncake_routing as geometry
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    spans = [span for batch in geometry.dsv41_batches(tokens, layout) for span in batch]
+    return spans, geometry.dsv41_buffer_sizes()
+
+
+def test_dsv41_gather_then_scatter(copier):
+    spans, sizes = dsv41_request(32768, "fragmented")
+    assert len(spans) == 2 * 8 * 64 + 43 + 3  # two 16k chunks x 8 KV buffers x 64 lone pages, state
+    total = sum(span[3] for span in spans)
+    assert 34e6 < total < 36e6
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    prefill = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen) for n in sizes]
+    decode = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    staging = copier.allocate(total)
+    torch.cuda.synchronize()
+    buf, src_off, dst_off, lengths = zip(*spans)
+    staged_at = np.cumsum([0, *lengths[:-1]]).astype(np.uint64)
+    src = np.array([prefill[b].data_ptr() for b in buf], dtype=np.uint64) + np.array(src_off, np.uint64)
+    dst = np.array([decode[b].data_ptr() for b in buf], dtype=np.uint64) + np.array(dst_off, np.uint64)
+    n = np.array(lengths, dtype=np.uint64)
+
+    copier.copy(src, staging.ptr + staged_at, n)  # gather on the prefill side
+    want = torch.cat([prefill[b][o:o + k] for b, o, _, k in spans])
+    assert torch.equal(staging.keepalive, want)
+    copier.copy(staging.ptr + staged_at, dst, n)  # scatter on the decode side
+    for b, s_o, d_o, k in spans:
+        assert torch.equal(decode[b][d_o:d_o + k], prefill[b][s_o:s_o + k])
+    touched = sum(k for b, _, _, k in spans)
+    assert sum(int(t.count_nonzero()) for t in decode) <= touched  # nothing outside the spans
+
+
+def test_bad_batches_raise_not_crash(copier, pools):
+    src, dst = pools
+    with pytest.raises(BatchCopyError):
+        copier.copy([src.data_ptr()], [dst.data_ptr(), dst.data_ptr()], [4])
+    with pytest.raises(BatchCopyError):
+        copier.copy([src.data_ptr()], [dst.data_ptr()], [-4])
+    with pytest.raises(BatchCopyError):
+        copier.copy([2 ** 64 - 8], [dst.data_ptr()], [16])
+    with pytest.raises(BatchCopyError):
+        copier.allocate(0)
+    copier.copy([], [], [])  # nothing to do is fine
+    copier.copy([src.data_ptr()], [dst.data_ptr()], [0])
+
+
+@pytest.mark.parametrize("path", ["jit launch", "torch upload"])
+def test_triton_fallback_paths(pools, path):
+    """The paths a Triton launcher of another shape, or no shareable CUDA runtime, would take."""
+    copier = CudaBatchCopy(0, prefer="triton")
+    if path == "jit launch":
+        copier._fast_launch = False
+    else:
+        copier._runtime = None
+    src, dst = pools
+    rng = np.random.default_rng(99)
+    for align in (16, 1):
+        check_batch(copier, src, dst, *random_entries(rng, 700, align, src.numel(), dst.numel()))
+
+
+def test_backend_choice():
+    import importlib.util
+
+    chosen = batch_copy_for(None)
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert chosen.backend == ("triton" if has_triton else "memcpy-async"), chosen.fallback_reason
+    assert batch_copy_for(0, prefer="memcpy-async").backend == "memcpy-async"
+    with pytest.raises(BatchCopyError, match="does not exist"):
+        batch_copy_for(torch.cuda.device_count())
+    print(f"backend={chosen.backend} fast_launch={getattr(chosen, '_fast_launch', None)}")

@@ -1,0 +1,344 @@
+"""Batched local copies on the CPU: host copier, validation, launch table, kernel logic.
+
+The CUDA kernel's logic (launch table, program-to-entry mapping, word sizes,
+tail masks) runs here in Triton's interpreter on host memory; the same kernel
+on a GPU is in test/gpu/test_batch_copy_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from sglang_dsv41.core.batch_copy import (
+    BatchCopyError,
+    HostBatchCopy,
+    as_batch,
+    batch_word,
+    fill_launch_table,
+    plan_pieces,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None
+
+
+def random_batch(rng, src_base: int, src_size: int, dst_base: int, dst_size: int,
+                 entries: int, max_len: int, align: int):
+    """Entries with disjoint destinations (sources may overlap each other: they are only read)."""
+    lengths = rng.integers(1, max_len + 1, size=entries) // align * align
+    lengths = np.maximum(lengths, align)
+    gaps = rng.integers(0, 4, size=entries) * align
+    dst_offsets = np.cumsum(gaps + lengths) - lengths
+    assert dst_offsets[-1] + lengths[-1] <= dst_size, "destination buffer too small for the batch"
+    order = rng.permutation(entries)  # destinations not in source order
+    dst_offsets = dst_offsets[order]
+    lengths = lengths[order]
+    src_offsets = rng.integers(0, (src_size - lengths) // align + 1) * align
+    return (np.uint64(src_base) + src_offsets.astype(np.uint64),
+            np.uint64(dst_base) + dst_offsets.astype(np.uint64),
+            lengths.astype(np.uint64))
+
+
+def expected_bytes(src: np.ndarray, dst_before: np.ndarray, src_base, dst_base, s, d, n) -> np.ndarray:
+    out = dst_before.copy()
+    for a, b, k in zip(s.tolist(), d.tolist(), n.tolist()):
+        out[b - dst_base:b - dst_base + k] = src[a - src_base:a - src_base + k]
+    return out
+
+
+def host_view(alloc) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_ubyte * alloc.nbytes).from_address(alloc.ptr))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("align", [1, 8, 16])
+def test_host_batch_copy_is_byte_exact(seed, align):
+    rng = np.random.default_rng(seed * 10 + align)
+    copier = HostBatchCopy()
+    src_alloc, dst_alloc = copier.allocate(1 << 20), copier.allocate(4 << 20)
+    src, dst = host_view(src_alloc), host_view(dst_alloc)
+    assert not dst.any(), "allocate must hand out zeroed memory"
+    src[:] = rng.integers(0, 256, size=src.size, dtype=np.uint8)
+    dst[:] = rng.integers(0, 256, size=dst.size, dtype=np.uint8)
+    s, d, n = random_batch(rng, src_alloc.ptr, src.size, dst_alloc.ptr, dst.size,
+                           entries=int(rng.integers(1, 300)), max_len=8000, align=align)
+    want = expected_bytes(src, dst, src_alloc.ptr, dst_alloc.ptr, s, d, n)
+    copier.copy(s, d, n)
+    assert np.array_equal(dst, want)
+    # Python lists are accepted too, and zero-length entries are skipped.
+    copier.copy(list(s[:3]), list(d[:3]), [0, 0, 0])
+    assert np.array_equal(dst, want)
+
+
+BAD_BATCHES = [
+    ("differ in shape", [1, 2], [1], [1]),
+    ("differ in shape", np.ones((2, 2), np.uint64), np.ones((2, 2), np.uint64), np.ones((2, 2), np.uint64)),
+    ("negative", np.array([-1, 5]), [16, 32], [1, 1]),
+    ("negative", [-1], [16], [1]),
+    ("negative", [16], [32], np.array([-8])),
+    ("not unsigned 64-bit", [16.0], [32], [1]),
+    ("not unsigned 64-bit", [16], [32], ["1"]),
+    ("not unsigned 64-bit", [16], [32], [None]),
+    ("not unsigned 64-bit", [2 ** 64], [32], [1]),
+    ("past the end of the address space", [2 ** 64 - 4], [32], [8]),
+    ("past the end of the address space", [32], [2 ** 64 - 1], [2]),
+    ("null pointer", [0], [32], [8]),
+    ("null pointer", [32], [0], [8]),
+]
+
+
+@pytest.mark.parametrize("needle, srcs, dsts, lengths", BAD_BATCHES)
+def test_bad_batches_raise_batch_copy_error(needle, srcs, dsts, lengths):
+    with pytest.raises(BatchCopyError, match=needle):
+        as_batch(srcs, dsts, lengths)
+    with pytest.raises(BatchCopyError, match=needle):
+        HostBatchCopy().copy(srcs, dsts, lengths)
+
+
+def test_edge_batches_that_are_valid():
+    s, d, n = as_batch([], [], [])
+    assert s.dtype == d.dtype == n.dtype == np.uint64 and len(n) == 0
+    HostBatchCopy().copy([], [], [])
+    as_batch([0], [0], [0])  # a null pointer with nothing to copy is harmless
+    as_batch([2 ** 64 - 9], [16], [8])  # ends exactly at the top of the address space
+    as_batch(np.array([16], np.int64), np.array([32], np.int32), np.array([4], np.uint8))
+
+
+def test_allocate_refuses_nonsense():
+    for bad in (0, -1):
+        with pytest.raises(BatchCopyError):
+            HostBatchCopy().allocate(bad)
+
+
+def test_batch_word_takes_the_widest_access_every_entry_allows():
+    def word(s, d, n):
+        return batch_word(*as_batch(s, d, n))
+
+    assert word([4096, 64], [8192, 128], [32, 4096]) == 16
+    assert word([4096, 64], [8192, 136], [32, 4096]) == 8  # one destination only 8-aligned
+    assert word([4096, 64], [8192, 128], [32, 4100]) == 1  # one length not a multiple of 8
+    assert word([4097], [8192], [32]) == 1
+    assert word([], [], []) == 16
+
+
+class GrowingTable:
+    """A ``reserve`` for fill_launch_table: grows like the CUDA lanes do, counts growths."""
+
+    def __init__(self, nbytes: int):
+        self.words = np.full(nbytes // 8, 0xEE, dtype=np.uint64)
+        self.growths = 0
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if nbytes > self.words.nbytes:
+            self.words = np.full(-(-nbytes // 8), 0xEE, dtype=np.uint64)
+            self.growths += 1
+        return self.words
+
+
+CHUNK = 32768
+
+
+@pytest.mark.parametrize("start_bytes", [8, 1 << 16])
+def test_launch_table_layout(start_bytes):
+    reserve = GrowingTable(start_bytes)
+    s, d, n = as_batch([1008, 2000, 3000, 4000], [5008, 6000, 7000, 8000], [CHUNK * 2 + 1, 0, 5, CHUNK])
+    table, word, chunk, pieces, used = fill_launch_table(reserve, s, d, n, CHUNK)
+    assert table is reserve.words and reserve.growths == (1 if start_bytes == 8 else 0)
+    assert (word, chunk, pieces, used) == (1, CHUNK, 3, 24 * 4)  # lengths 5 and 2 * CHUNK + 1: bytes
+    assert table[:4].tolist() == s.tolist() and table[4:8].tolist() == d.tolist()
+    assert table[8:12].tolist() == n.tolist()
+
+
+def test_pieces_cover_the_longest_entry_and_bound_the_grid():
+    # Typical KV batches: the smallest chunk, pieces enough for the longest entry.
+    assert plan_pieces(1070, 135168, 35_000_000, CHUNK) == (CHUNK, 5)
+    assert plan_pieces(62, 4_718_592, 35_000_000, CHUNK) == (CHUNK, 144)
+    assert plan_pieces(1, 5, 5, CHUNK) == (CHUNK, 1)
+    # One huge entry among many small ones: larger chunks, so idle programs stay few.
+    entries, longest = 2000, 5 << 20
+    total = longest + (entries - 1) * 8192
+    chunk, pieces = plan_pieces(entries, longest, total, CHUNK)
+    assert chunk > CHUNK and chunk & (chunk - 1) == 0 and pieces * chunk >= longest
+    assert entries * pieces <= 8 * (entries + total // chunk) + 8192
+    # Never more pieces than a grid's y dimension takes.
+    chunk, pieces = plan_pieces(1, 1 << 45, 1 << 45, CHUNK)  # the longest entry the CUDA path takes
+    assert pieces <= 65535 and pieces * chunk >= 1 << 45 and chunk < 1 << 31  # chunk is an int32 argument
+
+
+def test_all_empty_entries_need_no_program():
+    s, d, n = as_batch([16, 0], [32, 0], [0, 0])
+    assert fill_launch_table(GrowingTable(64), s, d, n, CHUNK)[1:4] == (16, 0, 0)
+
+
+@pytest.mark.parametrize("needle, srcs, dsts, lengths", [b for b in BAD_BATCHES if "shape" not in b[0]
+                                                         and "not unsigned" not in b[0]
+                                                         and "negative" not in b[0]])
+def test_launch_table_refuses_what_as_batch_refuses(needle, srcs, dsts, lengths):
+    s, d, n = (np.array(v, dtype=np.uint64) for v in (srcs, dsts, lengths))
+    with pytest.raises(BatchCopyError, match=needle):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
+
+
+def test_launch_table_refuses_what_no_gpu_has():
+    s, d, n = as_batch([1 << 62], [4096], [16])
+    with pytest.raises(BatchCopyError, match="no GPU address range"):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
+    s, d, n = as_batch([4096], [1 << 50], [(1 << 45) + 1])
+    with pytest.raises(BatchCopyError, match="beyond any GPU"):
+        fill_launch_table(GrowingTable(64), s, d, n, CHUNK)
+
+
+def run_in_subprocess(code: str, env: dict | None = None):
+    import os
+    import subprocess
+    import textwrap
+
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=110)
+
+
+def test_module_needs_neither_torch_nor_triton_nor_cuda():
+    proc = run_in_subprocess("""
+        import sys
+        sys.modules["torch"] = None  # any import of torch or triton now fails
+        sys.modules["triton"] = None
+        import numpy as np
+        from sglang_dsv41.core.batch_copy import BatchCopyError, HostBatchCopy, batch_copy_for, CudaBatchCopy
+        host = HostBatchCopy()
+        a, b = host.allocate(64), host.allocate(64)
+        import ctypes
+        ctypes.memset(a.ptr, 7, 64)
+        host.copy([a.ptr], [b.ptr], [64])
+        assert ctypes.string_at(b.ptr, 64) == bytes([7]) * 64
+        for make in (lambda: batch_copy_for(None), lambda: CudaBatchCopy(0)):
+            try:
+                make()
+            except BatchCopyError as exc:
+                print("REFUSED", exc)
+            else:
+                raise SystemExit("a CUDA copier without torch")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
+    assert len(lines) == 2 and all("torch" in l for l in lines), proc.stdout
+
+
+def test_importing_loads_no_gpu_library():
+    proc = run_in_subprocess("""
+        import sys
+        import sglang_dsv41.core.batch_copy
+        print(sorted(m for m in ("torch", "triton") if m in sys.modules))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+def test_batch_copy_for_without_a_gpu_says_why():
+    proc = run_in_subprocess("""
+        from sglang_dsv41.core.batch_copy import BatchCopyError, batch_copy_for
+        for args in ((None,), (0, "triton"), (0, "memcpy-async"), (0, "cuda-graphs")):
+            try:
+                batch_copy_for(*args)
+            except BatchCopyError as exc:
+                print("REFUSED", exc)
+            else:
+                raise SystemExit(f"batch_copy_for{args} gave a copier without a GPU")
+    """, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
+    assert len(lines) == 4, proc.stdout
+    assert all("no CUDA device" in l for l in lines[:3]), lines
+    assert "unknown batch copy backend 'cuda-graphs'" in lines[3]
+
+
+INTERPRETED_KERNEL = """
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+    import numpy as np, torch
+    sys.path.insert(0, {test_dir!r})
+    from test_batch_copy import random_batch, expected_bytes
+    from sglang_dsv41.core import batch_copy_kernel as k
+    from sglang_dsv41.core.batch_copy import as_batch, fill_launch_table
+
+    def run(seed, align, entries, max_len):
+        rng = np.random.default_rng(seed)
+        src = torch.from_numpy(rng.integers(0, 256, size=600_000, dtype=np.uint8))
+        dst = torch.from_numpy(rng.integers(0, 256, size=3_000_000, dtype=np.uint8))
+        sb, db = src.data_ptr(), dst.data_ptr()
+        s, d, n = random_batch(rng, sb, src.numel(), db, dst.numel(), entries, max_len, align)
+        n[rng.integers(0, entries)] = 0  # an entry with nothing to copy owns no program
+        s, d, n = as_batch(s, d, n)
+        want = expected_bytes(src.numpy(), dst.numpy(), sb, db, s, d, n)
+        table, word, chunk, pieces, used = fill_launch_table(
+            lambda nbytes: np.zeros(nbytes // 8, np.uint64), s, d, n, k.MIN_CHUNK_BYTES)
+        k.batch_copy_kernel[(len(n), pieces)](torch.from_numpy(table).view(torch.int64), len(n), chunk,
+                                              WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
+        ok = np.array_equal(dst.numpy(), want)
+        print("CASE", seed, align, word, len(n), pieces, "ok" if ok else "MISMATCH")
+
+    for seed, align, entries, max_len in ((1, 16, 40, 100_000), (2, 8, 40, 70_000), (3, 1, 25, 70_000),
+                                          (4, 16, 200, 9_000), (5, 1, 60, 5_000)):
+        run(seed, align, entries, max_len)
+"""
+
+
+def numpy_takes_int_of_one_element_arrays() -> bool:
+    try:
+        int(np.array([1]))
+    except TypeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton or torch not installed")
+@pytest.mark.skipif(not numpy_takes_int_of_one_element_arrays(),
+                    reason="Triton's interpreter turns a loop bound loaded from memory into int(1-element array), "
+                           "which this numpy refuses (seen with numpy 2.5 and Triton 3.6)")
+def test_kernel_is_byte_exact_in_the_triton_interpreter():
+    from pathlib import Path
+
+    proc = run_in_subprocess(INTERPRETED_KERNEL.format(test_dir=str(Path(__file__).parent)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = [l.split() for l in proc.stdout.splitlines() if l.startswith("CASE")]
+    assert len(cases) == 5, proc.stdout
+    assert {c[3] for c in cases} == {"16", "8", "1"}, cases  # every access width ran
+    assert all(c[-1] == "ok" for c in cases), proc.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton or torch not installed")
+def test_kernel_compiles_for_hopper_with_wide_accesses():
+    """No GPU needed: Triton's own compiler and ptxas, for sm_90."""
+    import re
+
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except Exception as exc:  # a Triton without these entry points
+        pytest.skip(f"triton compile API unavailable: {exc}")
+    from sglang_dsv41.core import batch_copy_kernel as k
+
+    accesses = {}
+    for word in (16, 1):
+        source = ASTSource(
+            k.batch_copy_kernel,
+            signature={"table": "*i64", "n_entries": "i32", "chunk": "i32", "WORD": "constexpr",
+                       "BLOCK": "constexpr"},
+            constexprs={"WORD": word, "BLOCK": k.BLOCK_ELEMENTS[word]})
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        except Exception as exc:  # no bundled ptxas on this platform
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        accesses[word] = set(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]))
+    # 16-byte batches move 128 bits per access; the byte path must not claim more than it may.
+    assert "ld.global.v2.b64" in accesses[16] and "st.global.v2.b64" in accesses[16], accesses
+    assert not any(".v2" in a or ".v4" in a for a in accesses[1]), accesses
