@@ -126,6 +126,11 @@ def test_metrics_endpoint_carries_the_plugins_series(server):
     # Not the launcher: sglang imports prometheus_client there before it sets the
     # multiprocess directory, so no series of that process can reach /metrics
     # (the plugin logs one warning saying so).
+    assert Role.LAUNCHER.value not in applied, applied
+    # The launch guard's verdict, decided in the launcher, published by the
+    # scheduler: no known-crash rule applies to this tiny single-GPU layout.
+    guard = [line for line in text.splitlines() if line.startswith("sglang_dsv41_launch_guard_active{")]
+    assert guard == ['sglang_dsv41_launch_guard_active{rule="none"} 1.0'], guard
     assert "sglang:" in text  # sglang's own series beside ours, on the same endpoint
 
 

@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import sys
 
 from sglang.srt.plugins import load_plugins
@@ -102,16 +103,13 @@ def _environment(extra: dict):
         os.environ.update(saved)
 
 
-def _guard_counts() -> dict:
-    from sglang_dsv41.core import plugin_metrics
-
-    return dict(plugin_metrics.totals().get("launch_guards_applied", {}))
+def _summary(verdict) -> str | None:
+    return None if verdict is None else verdict.summary()
 
 
 def _resolve(build) -> dict:
     records = _Records()
     out = {"ok": False, "refusal": None, "error": None}
-    counted_before = _guard_counts()
     try:
         server_args = build()
         # After parsing: sglang's logging setup there replaces the root handlers.
@@ -128,7 +126,10 @@ def _resolve(build) -> dict:
             raw_replay=server_args.enable_decoder_swa_bounded_replay,
             prefill_backend=str(view.cuda_graph_config.prefill.backend),
             attn_cp=view.attn_cp_size,
-            guard=None if verdict is None else verdict.summary(),
+            guard=_summary(verdict),
+            # What a scheduler receives: the record pickled, as sglang hands it over.
+            guard_in_scheduler=_summary(getattr(pickle.loads(pickle.dumps(server_args)),
+                                                GUARD_ATTRIBUTE, None)),
             guard_features=None if verdict is None or verdict.features is None
             else verdict.features.__dict__,
         )
@@ -140,9 +141,6 @@ def _resolve(build) -> dict:
         logging.getLogger().removeHandler(records)
         logging.getLogger("sglang_dsv41").removeHandler(records)
     out["guard_log"] = [line for line in records.lines if line.startswith(GUARD_LOG_PREFIX)]
-    counted = _guard_counts()
-    out["guard_counted"] = {rule: n - counted_before.get(rule, 0) for rule, n in counted.items()
-                            if n != counted_before.get(rule, 0)}
     return out
 
 

@@ -117,9 +117,10 @@ def test_replay_sglang_chose_is_turned_off_with_one_log_line(with_plugin, stock,
     line = ours["guard_log"][0]
     assert line.startswith(TURNED_OFF_LOG) and "\n" not in line
     assert "dp + dspark cannot use" in line and "--no-enable-decoder-swa-bounded-replay" in line
-    # ... and counted for the plugin's metrics (sglang_dsv41_launch_guards_applied_total).
-    assert ours["guard_counted"] == {DP_RULE: 1}, ours
-    assert theirs["guard_counted"] == {}, theirs
+    # ... and the verdict reaches the schedulers with the pickled record; they
+    # publish it (sglang_dsv41_launch_guard_active), the launcher cannot.
+    assert ours["guard_in_scheduler"] == ours["guard"], ours
+    assert theirs["guard_in_scheduler"] is None, theirs
 
 
 @pytest.mark.timeout(600)

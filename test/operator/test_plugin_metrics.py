@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from conftest import run_python
+from sglang_dsv41.core.known_crashes import REPLAY_UNDER_DP_ATTENTION as DP_RULE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,9 +32,10 @@ import json, sys
 from sglang_dsv41.core import plugin_metrics as m
 from sglang_dsv41.core.owner_routing import Route
 imported_early = "prometheus_client" in sys.modules
-m.count_launch_guard("dp-dspark-replay")          # before the decision: kept
+m.count_pairing_refused()                          # before the decision: kept
 decided = m.configure({enabled})
 m.role_verified("scheduler", 9, 9)
+m.launch_guard_verdict({guard_rule!r})
 routes = {{route: 0 for route in Route}}  # as an owner router keeps them
 m.export_route_counts(routes)
 for route in (Route.KNOWN, Route.KNOWN, Route.OWNER, Route.NOT_WORTH):
@@ -43,7 +45,6 @@ for _ in range(3):
 m.count_encodes_saved(2)
 m.count_side_channel("sent", 4, 4096)
 m.count_side_channel_drop("receive")
-m.count_pairing_refused()
 m.count_agreement_failure()
 print(json.dumps({{"decided": decided, "imported_early": imported_early,
                    "imported_now": "prometheus_client" in sys.modules}}))
@@ -109,8 +110,8 @@ def samples(text: str) -> dict:
     return out
 
 
-def count_in_another_process(directory, enabled: bool) -> dict:
-    done = run_python(SCHEDULER_LIKE.format(enabled=enabled),
+def count_in_another_process(directory, enabled: bool, guard_rule: str | None = DP_RULE) -> dict:
+    done = run_python(SCHEDULER_LIKE.format(enabled=enabled, guard_rule=guard_rule),
                       env={"PROMETHEUS_MULTIPROC_DIR": str(directory)}, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -137,18 +138,22 @@ def test_counts_of_another_process_reach_sglangs_metrics_endpoint(tmp_path, monk
         'sglang_dsv41_side_channel_bytes_total{direction="sent"}': 4096.0,
         'sglang_dsv41_side_channel_drops_total{direction="receive"}': 1.0,
         'sglang_dsv41_pd_pairings_refused_total': 1.0,
-        'sglang_dsv41_launch_guards_applied_total{rule="dp-dspark-replay"}': 1.0,
+        f'sglang_dsv41_launch_guard_active{{rule="{DP_RULE}"}}': 1.0,
     }
 
 
+
 def test_counters_sum_over_processes_and_gauges_do_not(tmp_path, monkeypatch):
-    count_in_another_process(tmp_path, enabled=True)
-    count_in_another_process(tmp_path, enabled=True)
+    # Two schedulers of a server no launch guard rule applied to.
+    count_in_another_process(tmp_path, enabled=True, guard_rule=None)
+    count_in_another_process(tmp_path, enabled=True, guard_rule=None)
     with sglang_metrics_server(tmp_path, monkeypatch) as url:
         got = samples(requests.get(f"{url}/metrics", timeout=10).text)
     assert got['sglang_dsv41_owner_routes_total{route="known"}'] == 4.0
     assert got['sglang_dsv41_processes_verified_total{role="scheduler"}'] == 2.0
     assert got['sglang_dsv41_patches_applied{role="scheduler"}'] == 9.0
+    guard = {name: value for name, value in got.items() if "launch_guard" in name}
+    assert guard == {'sglang_dsv41_launch_guard_active{rule="none"}': 1.0}
 
 
 def test_metrics_off_writes_nothing_and_never_imports_prometheus(tmp_path):
@@ -201,8 +206,13 @@ def test_the_plugin_in_a_real_scheduler_role_reports_its_patches(tmp_path):
         from types import SimpleNamespace
         from sglang.srt.managers.scheduler import Scheduler
         from sglang_dsv41.core import plugin_metrics as m
-        # Only the field the hook reads; the scheduler body fails without a GPU.
+        from sglang_dsv41.core.known_crashes import GuardAction, GuardVerdict, REPLAY_UNDER_DP_ATTENTION
+        from sglang_dsv41.hooks.launch_guards import VERDICT_ATTRIBUTE
+        # Only what the hook reads (the flag, and the verdict the launcher's guard
+        # leaves on the record); the scheduler body fails without a GPU.
         args = SimpleNamespace(enable_metrics=True)
+        setattr(args, VERDICT_ATTRIBUTE,
+                GuardVerdict(GuardAction.TURN_OFF_REPLAY, REPLAY_UNDER_DP_ATTENTION, "turned off"))
         try:
             Scheduler.__init__(object.__new__(Scheduler), args, None)
         except Exception:
@@ -212,7 +222,7 @@ def test_the_plugin_in_a_real_scheduler_role_reports_its_patches(tmp_path):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         print(json.dumps([l for l in generate_latest(registry).decode().splitlines()
-                          if l.startswith("sglang_dsv41_p")]))
+                          if l.startswith(("sglang_dsv41_p", "sglang_dsv41_launch"))]))
     """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=380)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = json.loads(done.stdout.strip().splitlines()[-1])
@@ -223,6 +233,7 @@ def test_the_plugin_in_a_real_scheduler_role_reports_its_patches(tmp_path):
     assert f'sglang_dsv41_patches_applied{{role="scheduler"}} {float(owed)}' in lines
     assert f'sglang_dsv41_patches_owed{{role="scheduler"}} {float(owed)}' in lines
     assert 'sglang_dsv41_processes_verified_total{role="scheduler"} 1.0' in lines
+    assert f'sglang_dsv41_launch_guard_active{{rule="{DP_RULE}"}} 1.0' in lines
 
 
 def test_docs_metrics_is_generated_from_the_series():

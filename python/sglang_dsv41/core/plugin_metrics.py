@@ -6,7 +6,11 @@ it spawns any process, every process writes its values into a per-process file
 there, and the HTTP server's ``/metrics`` reads all the files through a
 ``MultiProcessCollector``. Series created in any role of ours (scheduler,
 tokenizer, detokenizer...) therefore show on that one endpoint, summed over
-processes for counters.
+processes for counters. The launcher is the exception: sglang imports
+``prometheus_client`` there before it sets the directory, so nothing the
+launcher counts can reach ``/metrics``. What the launcher decides (the launch
+guard's verdict) travels to the schedulers on the pickled server arguments and
+is published there.
 
 Cost on the hot paths: an increment is a check of one module flag and an
 update of this thread's own tally (no lock); a daemon thread per process
@@ -18,9 +22,8 @@ measures both.
 
 The decision is taken once per process by ``configure`` (the activation hooks
 call it with the server's ``--enable-metrics`` when the process builds its
-first sglang object). Counts made before that (launch guards run during
-argument resolution, before sglang sets up the metrics directory) are kept
-and exported once the decision is "on", dropped when it is "off".
+first sglang object). Counts made before that are kept and exported once the
+decision is "on", dropped when it is "off".
 ``prometheus_client`` is imported only after the directory is known to be set:
 importing it earlier would fix its value class to in-process values for the
 whole process, sglang's own series included.
@@ -42,6 +45,7 @@ logger = logging.getLogger("sglang_dsv41.metrics")
 PREFIX = "sglang_dsv41_"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLUSH_INTERVAL_S = 1.0
+NO_GUARD_RULE = "none"  # launch_guard_active's label when no known-crash rule applied
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class Series:
         return PREFIX + self.name + ("_total" if self.kind == "counter" else "")
 
 
-_ROLES = "launcher, scheduler, tokenizer_worker, detokenizer, dp_controller"
+_ROLES = "scheduler, tokenizer_worker, detokenizer, dp_controller"
 
 SERIES: Tuple[Series, ...] = (
     Series("patches_applied", "gauge", "role",
@@ -100,12 +104,12 @@ SERIES: Tuple[Series, ...] = (
            "every slot is leased (that peer then uses the direct path).", "granted, pool_full"),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
-    Series("launch_guards_applied", "counter", "rule",
-           "Launch guards that turned a crash-prone default off, per rule. Counted in the "
-           "launcher, whose values sglang 0.5.23 keeps off /metrics (it imports "
-           "prometheus_client there before setting the multiprocess directory; the plugin "
-           "logs a warning), so today the series stays empty; the guard's log line is the record.",
-           "the guard's rule name"),
+    Series("launch_guard_active", "gauge", "rule",
+           "The launch guard's verdict on this server's arguments, as its schedulers received "
+           "them: 1 for the known-crash rule that turned a default off, or for rule=\"none\" "
+           "when no rule applied (a refused layout never starts, so it never shows). Absent "
+           "when the launcher ran without the plugin.",
+           "the guard's rule name, or none"),
 )
 BY_NAME: Dict[str, Series] = {s.name: s for s in SERIES}
 
@@ -214,13 +218,18 @@ def count_pairing_refused() -> None:
     _add("pd_pairings_refused")
 
 
-def count_launch_guard(rule: str) -> None:
-    """A launch guard (named by its rule) changed or refused this server's arguments.
+def launch_guard_verdict(rule: Optional[str]) -> None:
+    """The launch guard's verdict that reached this process with the server's
+    arguments: the rule that changed them, or None when no rule applied.
 
-    Safe to call during argument resolution, before sglang has set up its metrics
-    directory: the count is kept until the process decides whether metrics are on.
+    Called by the schedulers, not by the launcher where the guard runs: the
+    launcher's values never reach /metrics, and every scheduler receives the
+    verdict with its arguments.
     """
-    _add("launch_guards_applied", str(rule))
+    if _counting:
+        with _lock:
+            _gauges["launch_guard_active"][NO_GUARD_RULE if rule is None else str(rule)] = 1
+        _wake.set()
 
 
 def role_verified(role: str, applied: int, owed: int) -> None:
@@ -392,8 +401,15 @@ def render_markdown() -> str:
         "With `--enable-metrics` (the shipped topologies turn it on) every process of a",
         "server exports these series through sglang's own `/metrics`, next to sglang's",
         "`sglang:*` series. Counters are summed over the server's processes (ranks);",
-        "the two gauges show one process of each role. Without `--enable-metrics`",
-        "nothing is exported and the counting calls return at once.",
+        "gauges show the largest value any process reported (the processes of one role",
+        "all report the same). Without `--enable-metrics` nothing is exported and the",
+        "counting calls return at once.",
+        "",
+        "The launcher process is the exception: sglang 0.5.23 imports `prometheus_client`",
+        "there before it sets the multiprocess directory, so no `role=\"launcher\"` row",
+        "appears (the plugin logs one warning saying so). The launch guard runs in the",
+        "launcher, but its verdict travels to the schedulers with the server's arguments,",
+        "and `sglang_dsv41_launch_guard_active` is published from there.",
         "",
         "`sglang-dsv41 smoke` reads `sglang_dsv41_patches_applied` and",
         "`sglang_dsv41_patches_owed` to tell that the plugin is active.",

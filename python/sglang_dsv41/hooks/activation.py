@@ -3,11 +3,13 @@
 Each runs as a BEFORE hook on the first object a process role builds after
 load_plugins(); the check itself lives in ``sglang_dsv41.activation``. The same
 place decides, from the server's ``--enable-metrics``, whether this process
-exports the plugin's Prometheus series, and reports its patch count there.
+exports the plugin's Prometheus series, and reports its patch count there
+(a scheduler also the launch guard's verdict, which the launcher cannot export).
 """
 
 from sglang_dsv41.activation import role_status, verify_role
 from sglang_dsv41.core import plugin_metrics
+from sglang_dsv41.hooks.launch_guards import publish_verdict
 from sglang_dsv41.patch_spec import Role
 
 # The launcher starts the detokenizer router through this module-level name of
@@ -27,6 +29,8 @@ def _verify(role: Role, args, kwargs) -> None:
     plugin_metrics.configure(bool(getattr(server_args, "enable_metrics", False)))
     applied, missing = role_status(role)
     plugin_metrics.role_verified(role.value, len(applied), len(applied) + len(missing))
+    if role is Role.SCHEDULER:
+        publish_verdict(server_args)
 
 
 def verify_scheduler(self, *args, **kwargs):

@@ -21,7 +21,8 @@ from sglang_dsv41.core.known_crashes import (
 
 logger = logging.getLogger(__name__)
 
-# Where the verdict is left on the ServerArgs record, for `sglang-dsv41 plan`.
+# Where the verdict is left on the ServerArgs record, for `sglang-dsv41 plan` and
+# for the schedulers (the record reaches them pickled, bookkeeping included).
 VERDICT_ATTRIBUTE = "_sglang_dsv41_launch_guard"
 _DECLARATION_SOURCE = "sglang_dsv41.launch_guard"
 
@@ -83,5 +84,16 @@ def guard_resolved_layout(server_args, previous) -> None:
 
         declare_resolution(server_args, _DECLARATION_SOURCE, enable_decoder_swa_bounded_replay=False)
         logger.warning(verdict.message)
-        # Kept until the launcher decides on metrics (a refusal exits before any export).
-        plugin_metrics.count_launch_guard(verdict.rule)
+
+
+def publish_verdict(server_args) -> None:
+    """Scheduler side: export the verdict the guard left on this server's arguments.
+
+    The launcher, where the guard runs, cannot export metrics (sglang imports
+    prometheus_client there too early); its schedulers can. Nothing is published
+    when the record carries no verdict (the launcher ran without the plugin).
+    """
+    verdict = getattr(server_args, VERDICT_ATTRIBUTE, None)
+    if verdict is None:
+        return
+    plugin_metrics.launch_guard_verdict(None if verdict.action is GuardAction.NONE else verdict.rule)
