@@ -232,3 +232,14 @@ def test_backend_choice():
     with pytest.raises(BatchCopyError, match="does not exist"):
         batch_copy_for(torch.cuda.device_count())
     print(f"backend={chosen.backend} fast_launch={getattr(chosen, '_fast_launch', None)}")
+
+
+def test_allocations_are_segment_bases_for_engine_registration(copier):
+    """The transfer engine registers allocation bases; a block split off a cached segment is not one."""
+    import torch
+
+    keep = [torch.empty(48 << 20, dtype=torch.uint8, device=f"cuda:{copier.device}")]
+    del keep[:]  # leave a large cached free segment an ordinary allocation would be split from
+    got = copier.allocate(8 << 20)
+    starts = {seg["address"] for seg in torch.cuda.memory_snapshot() if seg.get("device") == copier.device}
+    assert got.ptr in starts

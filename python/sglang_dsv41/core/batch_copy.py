@@ -343,12 +343,18 @@ class CudaBatchCopy:
             raise BatchCopyError(f"cannot allocate {nbytes} bytes")
         torch = self._torch
         try:
-            tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+            # A pool of its own: the first allocation in a fresh pool is a fresh
+            # segment, so the pointer is an allocation base, which is what the
+            # transfer engine registers (a block split off a cached segment
+            # would not be).
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool, device=self.device):
+                tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
             # Zeroed on the device's current stream; our streams do not wait for it.
             torch.cuda.current_stream(self.device).synchronize()
         except Exception as exc:  # out of memory, device failure
             raise BatchCopyError(f"cannot allocate {nbytes} bytes on cuda:{self.device}: {exc}") from exc
-        return Allocation(tensor.data_ptr(), nbytes, tensor)
+        return Allocation(tensor.data_ptr(), nbytes, (tensor, pool))
 
     # -- copying
 
