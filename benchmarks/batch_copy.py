@@ -114,7 +114,7 @@ def main() -> None:
         one = (np.array([flat.ptr], np.uint64), np.array([staging.ptr], np.uint64), np.array([total], np.uint64))
         paths = {"batched": (batched, batch), "per-entry": (per_entry, batch), "contiguous": (per_entry, one)}
         # Byte-exact before timing: the staging buffer holds the blocks in order.
-        staging.keepalive.zero_()
+        staging.keepalive[0].zero_()
         torch.cuda.synchronize()
         batched.copy(*batch)
         offsets = np.cumsum(batch[2]) - batch[2]
@@ -122,7 +122,7 @@ def main() -> None:
             src_buf = next(t for t in pools if t.data_ptr() <= int(batch[0][k]) < t.data_ptr() + t.numel())
             a = int(batch[0][k]) - src_buf.data_ptr()
             n = int(batch[2][k])
-            assert torch.equal(staging.keepalive[int(offsets[k]):int(offsets[k]) + n], src_buf[a:a + n]), (name, k)
+            assert torch.equal(staging.keepalive[0][int(offsets[k]):int(offsets[k]) + n], src_buf[a:a + n]), (name, k)
         for copier, b in paths.values():  # warm-up (compile, lanes, tables)
             for _ in range(3):
                 copier.copy(*b)

@@ -511,7 +511,8 @@ def staging_memory(args, sender: bool):
     largest = max(sum(sp[3] for sp in batch) for _, t, lay in DSV41_CASES
                   for batch in dsv41_batches(t, lay))
     config = StagingConfig(slots=1, slot_bytes=-(-largest // MiB) * MiB, min_blocks=args.staging_min_blocks)
-    copier = batch_copy.batch_copy_for(args.gpu) if args.mode == "gpu" else batch_copy.HostBatchCopy()
+    copier = (batch_copy.batch_copy_for(args.gpu, prefer=args.staging_copy) if args.mode == "gpu"
+              else batch_copy.HostBatchCopy())
     return copier, (LocalBuffers if sender else SlotPool)(copier, config), config
 
 
@@ -535,7 +536,20 @@ def run_dsv41_receiver(args) -> None:
         copier, pool, _ = args.staging
         g = pool.lease("benchmark sender")
         grant = [g.slot_ptr, g.slot_bytes, g.lease]
-        staged = StagedReceiver(pool, [(t.data_ptr(), t.numel()) for t in buffers], copier)
+        clock = {"handle_s": 0.0, "copy_s": 0.0}
+
+        class ClockedCopy:
+            backend = copier.backend
+
+            @staticmethod
+            def copy(*a):
+                t0 = time.perf_counter()
+                try:
+                    return copier.copy(*a)
+                finally:
+                    clock["copy_s"] += time.perf_counter() - t0
+
+        staged = StagedReceiver(pool, [(t.data_ptr(), t.numel()) for t in buffers], ClockedCopy())
     print("READY " + json.dumps({
         "session": f"127.0.0.1:{engine.get_rpc_port()}",
         "addrs": [t.data_ptr() for t in buffers], "port": channel.port, "grant": grant,
@@ -544,8 +558,14 @@ def run_dsv41_receiver(args) -> None:
     while True:
         frames = channel.recv(timeout_s=3600)
         if staged is not None and is_staged_message(frames):
+            t0 = time.perf_counter()
             verdict = staged.handle(frames)
+            clock["handle_s"] += time.perf_counter() - t0
             channel.send(verdict.ack)
+        elif frames[0] == b"STATS":  # the scatter clock since the last STATS, then reset
+            channel.send([b"STATS", json.dumps(clock if staged is not None else {}).encode()])
+            if staged is not None:
+                clock.update(handle_s=0.0, copy_s=0.0)
         elif frames[0] == b"CLEAR":
             for t in buffers:
                 t.zero_()
@@ -591,7 +611,22 @@ def run_dsv41_sender(args) -> None:
         from sglang_dsv41.core.kv_staging import Grant, GrantState, StagedSender, parse_ack
 
         copier, local, config = args.staging
-        sender = StagedSender(copier, local, config)
+        phases = {"gather": 0.0, "write": 0.0, "notify": 0.0, "ack": 0.0, "send": 0.0}
+
+        def clocked(name, fn):  # where the staged path's time goes
+            def run(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    phases[name] += time.perf_counter() - t0
+            return run
+
+        class ClockedCopy:
+            backend = copier.backend
+            copy = staticmethod(clocked("gather", copier.copy))
+
+        sender = StagedSender(ClockedCopy(), local, config)
         grant_state = GrantState(Grant(*peer["grant"]))
 
         def await_ack(nonce, timeout_s):
@@ -600,9 +635,12 @@ def run_dsv41_sender(args) -> None:
                 raise RuntimeError("acknowledgement out of order")
             return refusal
 
+        staged_write, staged_notify = clocked("write", funnel), clocked("notify", channel.send)
+        staged_ack = clocked("ack", await_ack)
+
         def staged_device(blocks):
-            return sender.send(blocks, grant_state, 1, "tcp://127.0.0.1:1", funnel,
-                               channel.send, await_ack).rc
+            return clocked("send", sender.send)(blocks, grant_state, 1, "tcp://127.0.0.1:1",
+                                                 staged_write, staged_notify, staged_ack).rc
 
         def staged(blocks):  # as in production: routing first, staging for the device blocks
             return router.route(blocks, staged_device, lambda: side)
@@ -632,6 +670,11 @@ def run_dsv41_sender(args) -> None:
             timed(fn, 3)
         samples = {k: [] for k in paths}
         names = list(paths)
+        if staged is not None:
+            for k in phases:
+                phases[k] = 0.0
+            channel.send([b"STATS"])  # resets the receiver's scatter clock
+            channel.recv()
         for _ in range(args.rounds):
             times = {k: [] for k in paths}
             for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
@@ -639,6 +682,14 @@ def run_dsv41_sender(args) -> None:
                     times[k].append(timed(paths[k], 1))
             for k, v in times.items():
                 samples[k].append(statistics.median(v))
+        staged_phases = None
+        if staged is not None:
+            count = args.rounds * args.iters
+            channel.send([b"STATS"])
+            rx = json.loads(channel.recv()[1])
+            staged_phases = {k: v / count * 1e6 for k, v in phases.items()}
+            staged_phases["receiver_handle"] = rx["handle_s"] / count * 1e6
+            staged_phases["receiver_scatter"] = rx["copy_s"] / count * 1e6
         # The Python cost alone: the engine call replaced by a no-op.
         def noop(blocks):
             if blocks:
@@ -672,6 +723,7 @@ def run_dsv41_sender(args) -> None:
         row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
         row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
         if staged is not None:
+            row["staged_phases_us"] = staged_phases
             row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
             row["staged_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples["staged"]))
@@ -708,6 +760,15 @@ def print_dsv41(run: dict, title: str) -> None:
                   f"{r['staged_over_stock']:13.2f}")
         print("staged: KV staging (gather, one write per batch, scatter, acknowledgement), "
               "end to end until the receiver has scattered and answered")
+        print(f"\n{'request':>16} per staged request, us: {'gather':>7} {'write':>7} {'notify':>7} "
+              f"{'ack wait':>9} {'send':>7} | receiver: {'handle':>7} {'scatter':>8}")
+        for r in run["rows"]:
+            ph = r["staged_phases_us"]
+            print(f"{r['case']:>16} {'':>24}{ph['gather']:7.0f} {ph['write']:7.0f} {ph['notify']:7.0f} "
+                  f"{ph['ack']:9.0f} {ph['send']:7.0f} | {'':>9} {ph['receiver_handle']:7.0f} "
+                  f"{ph['receiver_scatter']:8.0f}")
+        print("send: the whole staging call (gather + write + notify + ack wait + Python); "
+              "ack wait includes the receiver's handling")
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
 
@@ -741,10 +802,13 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     common = ["--mode", args.mode, "--protocol", protocol, "--register", register,
               "--device-mib", str(args.device_mib), "--host-mib", str(args.host_mib),
-              "--channel", args.channel, "--pattern", args.pattern,
-              "--staging-min-blocks", str(args.staging_min_blocks)]
+              "--channel", args.channel, "--pattern", args.pattern]
+    if args.staging_min_blocks is not None:
+        common += ["--staging-min-blocks", str(args.staging_min_blocks)]
     if args.no_staging:
         common.append("--no-staging")
+    if args.staging_copy:
+        common += ["--staging-copy", args.staging_copy]
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -782,8 +846,11 @@ def main() -> None:
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
     p.add_argument("--no-staging", action="store_true", help="dsv41: leave the KV staging path out")
-    p.add_argument("--staging-min-blocks", type=int, default=8,
-                   help="dsv41: fewest blocks a batch needs to be staged (SGLANG_DSV41_KV_STAGING_MIN_BLOCKS)")
+    p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
+                   help="dsv41, GPU: the batched copy's backend (default: triton when importable)")
+    p.add_argument("--staging-min-blocks", type=int, default=None,
+                   help="dsv41: fewest blocks a batch needs to be staged (default: the default of "
+                   "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     # internal (child processes)
     p.add_argument("--role", choices=["receiver", "sender"])
@@ -858,6 +925,10 @@ def main_dsv41(args) -> None:
         sys.exit("error: --repeat, --rounds and --iters must be at least 1")
     args.channel = args.channel or Channel.available()
     args.iters = args.iters or (20 if gpu else 3)
+    if args.staging_min_blocks is None:
+        from sglang_dsv41.core.kv_staging import DEFAULT_MIN_BLOCKS
+
+        args.staging_min_blocks = DEFAULT_MIN_BLOCKS
     args.device_mib = args.device_mib or 1
     args.host_mib = args.host_mib or 1
     peer_gpu = args.gpu if args.peer_gpu is None else args.peer_gpu

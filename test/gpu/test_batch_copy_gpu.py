@@ -103,7 +103,7 @@ def test_entries_touching_allocation_ends(copier):
     for size in (4096, 65537, 5 * MiB + 3):
         src = copier.allocate(size)
         dst = copier.allocate(size + 2 * 4096)
-        s_t, d_t = src.keepalive, dst.keepalive
+        s_t, d_t = src.keepalive[0], dst.keepalive[0]
         assert not d_t.any().item(), "allocate must hand out zeroed memory"
         s_t.copy_(torch.randint(1, 256, (size,), dtype=torch.uint8, device=s_t.device))
         d_t.fill_(0xA5)
@@ -186,7 +186,7 @@ def test_dsv41_gather_then_scatter(copier):
 
     copier.copy(src, staging.ptr + staged_at, n)  # gather on the prefill side
     want = torch.cat([prefill[b][o:o + k] for b, o, _, k in spans])
-    assert torch.equal(staging.keepalive, want)
+    assert torch.equal(staging.keepalive[0], want)
     copier.copy(staging.ptr + staged_at, dst, n)  # scatter on the decode side
     for b, s_o, d_o, k in spans:
         assert torch.equal(decode[b][d_o:d_o + k], prefill[b][s_o:s_o + k])

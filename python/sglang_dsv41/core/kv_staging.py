@@ -34,6 +34,7 @@ Nothing here imports sglang; copies go through ``batch_copy.BatchCopy``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import struct
@@ -55,7 +56,7 @@ ACK_TIMEOUT_ENV = "SGLANG_DSV41_KV_STAGING_ACK_TIMEOUT_S"
 
 DEFAULT_SLOTS = 8
 DEFAULT_SLOT_MB = 32
-DEFAULT_MIN_BLOCKS = 8
+DEFAULT_MIN_BLOCKS = 128
 DEFAULT_ACK_TIMEOUT_S = 30.0
 MAX_SLOTS = 1024
 MAX_SLOT_MB = 4096
@@ -516,9 +517,12 @@ class StagedSender:
             return StagedOutcome(write(list(blocks)), FALLBACK_POISONED)
         if len(blocks) < self.config.min_blocks:
             return StagedOutcome(write(list(blocks)), FALLBACK_SMALL)
-        flat = np.fromiter(
-            (int(v) for block in blocks for v in block[:3]), dtype=np.uint64, count=3 * len(blocks)
-        ).reshape(-1, 3)
+        try:  # C-level conversion: the batch can be a thousand blocks
+            flat = np.fromiter(
+                itertools.chain.from_iterable(blocks), dtype=np.int64, count=3 * len(blocks)
+            ).reshape(-1, 3).view(np.uint64)
+        except (ValueError, TypeError, OverflowError):  # not plain (src, dst, length) triples
+            flat = np.array([[int(v) for v in block[:3]] for block in blocks], dtype=np.uint64)
         srcs, dsts, lengths = flat[:, 0], flat[:, 1], flat[:, 2]
         groups = self.groups(lengths)
         if groups is None:
