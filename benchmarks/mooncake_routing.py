@@ -562,6 +562,8 @@ def run_dsv41_receiver(args) -> None:
             verdict = staged.handle(frames)
             clock["handle_s"] += time.perf_counter() - t0
             channel.send(verdict.ack)
+        elif frames[0] == b"PING":
+            channel.send([b"PONG"])
         elif frames[0] == b"STATS":  # the scatter clock since the last STATS, then reset
             channel.send([b"STATS", json.dumps(clock if staged is not None else {}).encode()])
             if staged is not None:
@@ -733,9 +735,18 @@ def run_dsv41_sender(args) -> None:
             f"routed/stock {row['routed_over_stock']:.3f}"
             + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
                if staged is not None else "") + f", exact {exact}")
+    # The side channel's own round trip, for reading the staged path's ack wait.
+    pings = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        channel.send([b"PING"])
+        channel.recv()
+        pings.append(time.perf_counter() - t0)
+    ping_us = statistics.median(pings[20:]) * 1e6
+    log(f"  side channel round trip (zmq or socket, no GPU work): median {ping_us:.0f} us")
     channel.send([b"BYE"])
     channel.recv()
-    print("RESULT " + json.dumps({"rows": rows,
+    print("RESULT " + json.dumps({"rows": rows, "channel_round_trip_us": ping_us,
                                   "memory_backend": getattr(memory, "backend", type(memory).__name__)}),
           flush=True)
     os._exit(0)
@@ -768,7 +779,8 @@ def print_dsv41(run: dict, title: str) -> None:
                   f"{ph['ack']:9.0f} {ph['send']:7.0f} | {'':>9} {ph['receiver_handle']:7.0f} "
                   f"{ph['receiver_scatter']:8.0f}")
         print("send: the whole staging call (gather + write + notify + ack wait + Python); "
-              "ack wait includes the receiver's handling")
+              "ack wait includes the receiver's handling; side channel round trip alone: "
+              f"{run.get('channel_round_trip_us', float('nan')):.0f} us")
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
 
