@@ -545,6 +545,8 @@ def run_dsv41_receiver(args) -> None:
             def copy(*a):
                 t0 = time.perf_counter()
                 try:
+                    if args.staging_null_scatter:  # what the path costs without the receiver's GPU work
+                        return None
                     return copier.copy(*a)
                 finally:
                     clock["copy_s"] += time.perf_counter() - t0
@@ -705,7 +707,8 @@ def run_dsv41_sender(args) -> None:
         # Byte-exact: clear the receiver, move the request once through each moving path.
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
-        for k in ("routed", "staged") if staged is not None else ("routed",):
+        moving = ("routed", "staged") if staged is not None and not args.staging_null_scatter else ("routed",)
+        for k in moving:
             channel.send([b"CLEAR"])
             channel.recv()
             rc = paths[k]()
@@ -744,12 +747,50 @@ def run_dsv41_sender(args) -> None:
         pings.append(time.perf_counter() - t0)
     ping_us = statistics.median(pings[20:]) * 1e6
     log(f"  side channel round trip (zmq or socket, no GPU work): median {ping_us:.0f} us")
+    if args.staging_probe and staged is not None:
+        staging_probe(args, torch, copier, local, peer, funnel, src_addrs, dst_addrs, channel)
     channel.send([b"BYE"])
     channel.recv()
     print("RESULT " + json.dumps({"rows": rows, "channel_round_trip_us": ping_us,
                                   "memory_backend": getattr(memory, "backend", type(memory).__name__)}),
           flush=True)
     os._exit(0)
+
+
+def staging_probe(args, torch, copier, local, peer, funnel, src_addrs, dst_addrs, channel) -> None:
+    """Each piece of the staged path alone, on the KV batch of an 8k fragmented request; median of 50."""
+    import numpy as np
+
+    def median_us(fn, n=50):
+        fn()
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out) * 1e6
+
+    spans = dsv41_batches(8192, "fragmented")[0]
+    blocks = [(src_addrs[b] + so, dst_addrs[b] + do, n) for b, so, do, n in spans]
+    nbytes = sum(n for *_, n in spans)
+    slot = peer["grant"][0]
+    buf = local.take()
+    srcs = np.array([b[0] for b in blocks], dtype=np.uint64)
+    lens = np.array([b[2] for b in blocks], dtype=np.uint64)
+    offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64)
+    rows = {
+        "gather (batched copy, synchronized)": lambda: copier.copy(srcs, offs + np.uint64(buf), lens),
+        "write staging buffer -> slot": lambda: funnel([(buf, slot, nbytes)]),
+        "write flat source -> flat destination": lambda: funnel([(src_addrs[_FLAT], dst_addrs[_FLAT], nbytes)]),
+        "write staging buffer -> flat destination": lambda: funnel([(buf, dst_addrs[_FLAT], nbytes)]),
+        "write flat source -> slot": lambda: funnel([(src_addrs[_FLAT], slot, nbytes)]),
+        f"write the {len(blocks)} blocks directly": lambda: funnel(blocks),
+        "device synchronize": (lambda: torch.cuda.synchronize()) if args.mode == "gpu" else (lambda: None),
+    }
+    log(f"  staging probe, {len(blocks)} blocks, {nbytes / 1e6:.1f} MB, median of 50 us:")
+    for name, fn in rows.items():
+        log(f"    {name:42s} {median_us(fn):9.1f}")
+    local.give_back(buf)
 
 
 def print_dsv41(run: dict, title: str) -> None:
@@ -821,6 +862,10 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
         common.append("--no-staging")
     if args.staging_copy:
         common += ["--staging-copy", args.staging_copy]
+    if args.staging_probe:
+        common.append("--staging-probe")
+    if args.staging_null_scatter:
+        common.append("--staging-null-scatter")
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -858,6 +903,11 @@ def main() -> None:
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
     p.add_argument("--no-staging", action="store_true", help="dsv41: leave the KV staging path out")
+    p.add_argument("--staging-null-scatter", action="store_true",
+                   help="dsv41: the receiver acknowledges staged batches without scattering them "
+                   "(no GPU work on the receiver; the staged path is then not byte-exact and not checked)")
+    p.add_argument("--staging-probe", action="store_true",
+                   help="dsv41: after the cases, time each piece of the staged path alone")
     p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
                    help="dsv41, GPU: the batched copy's backend (default: triton when importable)")
     p.add_argument("--staging-min-blocks", type=int, default=None,
