@@ -14,6 +14,7 @@ to scatter a staged-blocks message on the decode thread. The logic lives in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -125,6 +126,22 @@ def staging_region(manager) -> Optional[tuple[int, int]]:
         )
     owner = state.pool or state.buffers
     return owner.region if owner is not None else None
+
+
+_warned_without_nvlink = False
+
+
+def warn_without_nvlink_intra() -> None:
+    """Staging asked for on a transport it does not apply to: say so once per process."""
+    global _warned_without_nvlink
+    if _warned_without_nvlink or (os.environ.get(STAGING_ENV) or "").strip() in ("", "0"):
+        return
+    _warned_without_nvlink = True
+    logger.warning(
+        "[sglang-dsv41] %s is set but Mooncake's intra-node NVLink transport is not active "
+        "(MC_INTRANODE_NVLINK / MOONCAKE_PROTOCOL=nvlink_intra): KV staging has no effect",
+        STAGING_ENV,
+    )
 
 
 # --- grants -------------------------------------------------------------------------

@@ -91,6 +91,7 @@ def after_registerable_regions(result, self):
     """AFTER MooncakeKVManager._registerable_regions: leave host regions out under NVLink-intra."""
     reason = nvlink_intra_reason()
     if reason is None:
+        kv_staging.warn_without_nvlink_intra()
         return None  # keep upstream's list
     state = _routing_state(self)
     try:
