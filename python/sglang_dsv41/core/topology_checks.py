@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from sglang_dsv41.core.compose_model import Project, Service
 from sglang_dsv41.core.service_commands import ShellRefused, unwrap
 from sglang_dsv41.core.known_crashes import CrashFeatures, known_crash
+from sglang_dsv41.core.kv_staging import STAGING_ENV, StagingConfigError, staging_config
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "[::1]"}
 MOONCAKE_MASTER_RPC_PORT = 50051  # mooncake_master's default --rpc_port
@@ -230,6 +231,7 @@ def check_plan(plan: Plan, all_services: list[Service], options: "PlanOptions | 
     pairs, routing_problems = check_routers(plan)
     problems += routing_problems
     problems += check_pd_pairs(pairs)
+    problems += check_kv_staging(plan, pairs)
     problems += check_mooncake(plan)
     problems += check_nvlink_intra(plan)
     problems += check_host_memory(plan, options)
@@ -512,6 +514,39 @@ def check_pd_pairs(pairs) -> list[Problem]:
         reason = pairing_rejection(pl, dl)
         if reason:
             problems.append(Problem(who, f"the PD handshake would reject this pair: {reason}"))
+    return problems
+
+
+def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
+    """KV staging settings a PD server would refuse at start, or that would do nothing."""
+    problems = []
+    setting: dict[int, object] = {}
+    for server in plan.servers:
+        if server.layout.disaggregation_mode not in ("prefill", "decode"):
+            continue
+        env = server.service.environment
+        try:
+            setting[id(server)] = staging_config(env)
+        except StagingConfigError as exc:
+            problems.append(Problem(server.service.label,
+                                    f"{exc}: the server would stop when its KV transfer manager starts"))
+            continue
+        if setting[id(server)] is not None and not uses_nvlink_intra(env):
+            problems.append(Problem(server.service.label,
+                                    f"{STAGING_ENV}=1 has no effect without Mooncake's intra-node NVLink "
+                                    "transport (MC_INTRANODE_NVLINK or MOONCAKE_PROTOCOL=nvlink_intra)"))
+    seen = set()
+    for prefill, decode, _ in pairs:
+        if (id(prefill), id(decode)) in seen or id(prefill) not in setting or id(decode) not in setting:
+            continue
+        seen.add((id(prefill), id(decode)))
+        on = {side: setting[id(s)] is not None for side, s in (("prefill", prefill), ("decode", decode))}
+        if on["prefill"] != on["decode"]:
+            only = "prefill" if on["prefill"] else "decode"
+            problems.append(Problem(f"{prefill.service.label} -> {decode.service.label}",
+                                    f"{STAGING_ENV}=1 on the {only} only: staging needs it on both sides "
+                                    "(the decode side leases the slots, the prefill side writes them), so "
+                                    "this pair would send every block directly"))
     return problems
 
 
