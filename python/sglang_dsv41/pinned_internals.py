@@ -198,10 +198,11 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal(
         name="sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args",
-        used_by="test/pd_handshake harness",
+        used_by="test/pd_handshake harness; KV staging: the registration goes once per prefill "
+        "peer through _send_bootstrap_message with operation '_register_kv_args' (where the "
+        "grant is added), so its body is pinned",
         signature="(self)",
-        ast_sha="207918c0fd92bb56",
-        depends_on="signature",
+        ast_sha="f1ef5017c1a882a8",
     ),
     Internal(
         name="sglang.srt.models.deepseek_v4._is_cuda",
@@ -220,6 +221,14 @@ INTERNALS: tuple[Internal, ...] = (
         used_by="test/vision_cp CP harness: gloo groups on CPU",
         signature="variable",
         ast_sha="56106b91c01712ee",
+    ),
+    # --- KV staging (hooks/kv_staging.py): the messages its grant rides on
+    Internal(
+        name="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.build_receiver_registration_message",
+        used_by="KV staging: the grant frames follow the last frame of this message, past every "
+        "frame KVArgsRegisterInfo.from_zmq reads",
+        signature="(self)",
+        ast_sha="8c0a12621c827db9",
     ),
 )
 
