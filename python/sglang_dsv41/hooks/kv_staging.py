@@ -84,7 +84,15 @@ def _copier_for(manager) -> BatchCopy:
     from sglang_dsv41.core.batch_copy import batch_copy_for
 
     gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
-    return batch_copy_for(gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None)
+    copier = batch_copy_for(gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None)
+    if copier.backend != "triton":
+        # One copy per block costs what the engine's per-block cost does: staging
+        # would only add work, so refuse rather than run it that way.
+        raise BatchCopyError(
+            "the batched copy needs Triton, which is not usable here "
+            f"({getattr(copier, 'fallback_reason', None) or 'no reason given'})"
+        )
+    return copier
 
 
 def staging_region(manager) -> Optional[tuple[int, int]]:

@@ -1,0 +1,78 @@
+"""KV staging's set-up in a transfer manager fails closed, naming the setting.
+
+``hooks.kv_staging.staging_region`` runs inside the manager's registration
+(MC-NVL-REGIONS). Asked for but impossible (a bad value, no CUDA, no Triton),
+it stops the manager with one message instead of silently sending directly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_dsv41.core.batch_copy import HostBatchCopy
+from sglang_dsv41.hooks import kv_staging
+
+
+def _manager(mode: str):
+    return SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode),
+                           kv_args=SimpleNamespace(gpu_id=0))
+
+
+@pytest.fixture(autouse=True)
+def _no_injection():
+    kv_staging.set_batch_copy(None)
+    yield
+    kv_staging.set_batch_copy(None)
+
+
+def test_off_means_nothing_is_allocated(monkeypatch):
+    monkeypatch.delenv("SGLANG_DSV41_KV_STAGING", raising=False)
+    manager = _manager("decode")
+    assert kv_staging.staging_region(manager) is None
+    assert kv_staging.state_of(manager) is None
+
+
+def test_a_bad_value_stops_the_manager_naming_it(monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOTS", "many")
+    with pytest.raises(RuntimeError, match="SGLANG_DSV41_KV_STAGING_SLOTS='many' is not an integer"):
+        kv_staging.staging_region(_manager("prefill"))
+
+
+def test_no_usable_gpu_copy_stops_the_manager_naming_the_setting(monkeypatch):
+    # This machine has no CUDA: the batched copy cannot be built.
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
+    with pytest.raises(RuntimeError) as exc:
+        kv_staging.staging_region(_manager("decode"))
+    assert "SGLANG_DSV41_KV_STAGING=1 but the decode side cannot set up its staging memory" in str(exc.value)
+
+
+def test_a_copy_without_triton_is_refused(monkeypatch):
+    import sglang_dsv41.core.batch_copy as batch_copy
+
+    class PerEntry(HostBatchCopy):
+        backend = "memcpy-async"
+        fallback_reason = "triton does not import"
+
+    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
+    with pytest.raises(RuntimeError, match="needs Triton.*triton does not import"):
+        kv_staging.staging_region(_manager("prefill"))
+
+
+def test_sizes_follow_the_settings_and_the_region_is_allocated_once(monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOTS", "3")
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOT_MB", "2")
+    kv_staging.set_batch_copy(HostBatchCopy())
+    for mode in ("prefill", "decode"):
+        manager = _manager(mode)
+        region = kv_staging.staging_region(manager)
+        assert region[1] == 3 * (2 << 20)
+        assert kv_staging.staging_region(manager) == region  # re-registration: the same memory
+        state = kv_staging.state_of(manager)
+        assert (state.pool is not None) == (mode == "decode")
+        assert (state.sender is not None) == (mode == "prefill")
+    assert kv_staging.staging_region(_manager("null")) is None  # not a PD manager
