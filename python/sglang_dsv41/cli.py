@@ -156,7 +156,29 @@ def doctor_findings() -> list[Finding]:
                                 "internals the tooling uses match their fingerprints"))
     for verdict, text in _entry_point_findings() + _foreign_hook_findings():
         findings.append(Finding(_check_of(text), _STATUS_OF[verdict], text))
+    staging = _kv_staging_finding()
+    if staging is not None:
+        findings.append(staging)
     return findings
+
+
+def _kv_staging_finding() -> Finding | None:
+    """KV staging as this environment sets it (nothing when it is off): its values, and Triton."""
+    from sglang_dsv41.core.kv_staging import STAGING_ENV, StagingConfigError, staging_config
+
+    try:
+        config = staging_config()
+    except StagingConfigError as exc:
+        return Finding("kv-staging", "fail", f"{exc}: the PD server would stop at start")
+    if config is None:
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return Finding("kv-staging", "fail", f"{STAGING_ENV}=1 needs Triton for its batched copy, and "
+                       "triton is not installed: the PD server would stop at start")
+    return Finding("kv-staging", "ok", f"{STAGING_ENV}=1: {config.slots} slots of "
+                   f"{config.slot_bytes >> 20} MiB per side, batches of {config.min_blocks}+ blocks staged")
 
 
 def versions() -> dict:

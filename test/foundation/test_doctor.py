@@ -34,3 +34,25 @@ def test_doctor_fails_when_sglang_plugins_filters_us_out():
     assert proc.returncode == 1
     assert "filters out dsv41" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "doctor: PROBLEMS FOUND"
+
+
+def test_doctor_checks_kv_staging_settings_when_they_are_set():
+    import json
+
+    import jsonschema
+    from importlib import resources
+
+    off = _run()
+    assert "kv-staging" not in off.stdout and "KV_STAGING" not in off.stdout
+    bad = _run({"SGLANG_DSV41_KV_STAGING": "1", "SGLANG_DSV41_KV_STAGING_SLOT_MB": "big"})
+    assert bad.returncode == 1
+    assert "[FAIL] SGLANG_DSV41_KV_STAGING_SLOT_MB='big' is not an integer" in bad.stdout
+    on = subprocess.run(DOCTOR + ["--json"], capture_output=True, text=True, timeout=300,
+                        env={**{k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"},
+                             "SGLANG_DSV41_KV_STAGING": "1", "SGLANG_DSV41_KV_STAGING_SLOTS": "4"})
+    report = json.loads(on.stdout)
+    jsonschema.validate(report, json.loads(resources.files("sglang_dsv41").joinpath(
+        "data/schemas/doctor.schema.json").read_text()))
+    staging = [f for f in report["findings"] if f["check"] == "kv-staging"]
+    assert len(staging) == 1 and staging[0]["status"] == "ok"  # triton ships with sglang
+    assert "4 slots of 32 MiB" in staging[0]["message"]
