@@ -24,6 +24,7 @@ from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
 from sglang_dsv41.core.kv_staging import (
     FALLBACK_BUSY,
+    FALLBACK_SMALL,
     GrantState,
     LocalBuffers,
     SlotPool,
@@ -249,6 +250,9 @@ def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
     """Send ``blocks`` (device-sourced) through the peer's slot, or directly; the engine's code."""
     state = state_of(manager)
     if state is None or state.sender is None:
+        return write(blocks)
+    if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
+        plugin_metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
         return write(blocks)
     grant_state = _grant_state(manager, state, session_id)
     try:
