@@ -45,6 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from sglang_dsv41.core.batch_copy import Allocation, BatchCopy
+from sglang_dsv41.core.mooncake_routing import AUX_DATA_HEADER, parse_decimal
 
 # --- settings -------------------------------------------------------------------
 
@@ -123,7 +124,6 @@ def staging_config(environ: Optional[Mapping[str, str]] = None) -> Optional[Stag
 #   [ACK_TAG, <Q: nonce>, b"ok" | b"refused: <reason>"]
 # The staged bytes lie in the slot in table order, without gaps.
 
-AUX_DATA_HEADER = b"AUX_DATA"
 GRANT_TAG = b"dsv41-kv-staging-grant-v1"
 STAGED_TAG = b"dsv41-staged-blocks-v1"
 ACK_TAG = b"dsv41-staged-ack-v1"
@@ -134,7 +134,6 @@ _PAIR_DTYPE = np.dtype("<u8")
 MAX_STAGED_ENTRIES = 1 << 20
 MAX_ENTRY_BYTES = 1 << 40
 MAX_REPLY_ADDRESS = 256
-MAX_ROOM_DIGITS = 20
 ACK_OK = b"ok"
 
 
@@ -210,12 +209,6 @@ def encode_staged(
     ]
 
 
-def _decimal(raw: bytes, what: str) -> int:
-    if not raw or len(raw) > MAX_ROOM_DIGITS or not all(0x30 <= b <= 0x39 for b in raw):
-        raise StagingFrameError(f"{what} is not a plain decimal number: {bytes(raw[:32])!r}")
-    return int(raw)
-
-
 def parse_staged(frames: Sequence[bytes]) -> StagedMessage:
     """Strict parser: every deviation from the format raises StagingFrameError."""
     if len(frames) != 6:
@@ -223,7 +216,7 @@ def parse_staged(frames: Sequence[bytes]) -> StagedMessage:
     header, room_raw, tag, fixed, table, reply = (bytes(f) for f in frames)
     if header != AUX_DATA_HEADER or tag != STAGED_TAG:
         raise StagingFrameError("not a staged-blocks message")
-    room = _decimal(room_raw, "room")
+    room = parse_decimal(room_raw, "room", StagingFrameError)
     if len(fixed) != _STAGED_HEADER.size:
         raise StagingFrameError(f"header of {len(fixed)} bytes, expected {_STAGED_HEADER.size}")
     slot_ptr, lease, nonce, total = _STAGED_HEADER.unpack(fixed)
@@ -281,7 +274,6 @@ class SpanChecker:
         for e in ends:
             best = max(best, e)
             furthest.append(best)
-        self._furthest_end = np.array(furthest, dtype=object)
         self._furthest_u64 = np.array(furthest, dtype=np.uint64)
         self.count = len(cleaned)
 

@@ -372,9 +372,10 @@ def host_block_message_size(frames: Sequence[bytes]) -> tuple[int, int]:
     return len(frames[3]) // _ENTRY.size, len(frames[4])
 
 
-def _parse_decimal(raw: bytes, what: str) -> int:
+def parse_decimal(raw: bytes, what: str, error: type[ValueError] = HostBlockFrameError) -> int:
+    """A room number as the AUX_DATA frames carry it; anything else raises ``error``."""
     if not raw or len(raw) > MAX_ROOM_DIGITS or not all(0x30 <= b <= 0x39 for b in raw):
-        raise HostBlockFrameError(f"{what} is not a plain decimal number: {raw[:32]!r}")
+        raise error(f"{what} is not a plain decimal number: {raw[:32]!r}")
     return int(raw)
 
 
@@ -387,7 +388,7 @@ def parse_host_blocks(frames: Sequence[bytes]) -> HostBlockMessage:
         raise HostBlockFrameError(f"wrong header {bytes(header[:16])!r}")
     if tag != HOST_BLOCKS_TAG:
         raise HostBlockFrameError(f"wrong tag {bytes(tag[:32])!r}")
-    room = _parse_decimal(bytes(room_raw), "room")
+    room = parse_decimal(bytes(room_raw), "room")
     if len(table) == 0 or len(table) % _ENTRY.size:
         raise HostBlockFrameError(f"block table of {len(table)} bytes is not n*{_ENTRY.size}, n>0")
     count = len(table) // _ENTRY.size
