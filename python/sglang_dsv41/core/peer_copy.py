@@ -1,0 +1,489 @@
+"""Peer writes for Mooncake PD transfers on one host: a batch as one kernel, no engine.
+
+Why: the transfer engine pays 6-7 us per block, and even KV staging through a
+slot pays a gather, an engine write, a scatter on the decode GPU and an
+acknowledgement per batch. When prefill and decode share a host (the case the
+intra-node NVLink transport serves), the prefill process can map the decode
+side's KV memory itself, as that transport does internally, and write a whole
+batch with one batched copy straight into the decode's pages. Opt-in
+(``SGLANG_DSV41_KV_STAGING=peer`` on both sides):
+
+1. Export (decode). At its first registration with a prefill rank, the decode
+   manager exports every device region it published (KV and state buffers) as
+   CUDA IPC handles and appends the map to the registration message, with the
+   host's boot id. A stock prefill ignores the extra frames.
+2. Map (prefill). On the first batch to that decode session, the prefill opens
+   the handles (once per allocation, shared by every session that names it) and
+   keeps a translation from the decode's addresses to its own mappings.
+3. Write (prefill). A batch of at least MIN_BLOCKS device blocks whose every
+   destination lies inside one exported region is written with one batched
+   copy and synchronized before the transfer call returns, so the status that
+   marks the request done (sent on the same ordered path afterwards) can only
+   follow the bytes. No slot, no acknowledgement, no GPU work on the decode
+   side. A destination outside the map, a map that cannot be opened (another
+   host, another container's IPC namespace, memory that cannot be exported)
+   sends the batch the direct way, counted with its reason; a failed copy is
+   the request's transfer failure.
+4. Lifetime. A decode restart registers again with new handles; the old
+   mappings are closed once no batch is using them, so a restarted decode's
+   old KV pool is not held alive by the prefill.
+
+Transports: ``CudaIpcTransport`` (GPUs, CUDA runtime through ctypes) and
+``HostCmaTransport`` (host memory of another process with
+``process_vm_writev``: the same protocol where there is no GPU, used by tests).
+Nothing here imports sglang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
+
+PEER_MAP_TAG = b"dsv41-kv-peer-map-v1"
+HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+_ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")  # region pointer, length, offset in allocation, handle
+MAX_PEER_REGIONS = 1 << 14
+KINDS = ("cuda-ipc", "host-cma")
+
+# Why a batch took the direct path instead of a peer write (metric label values).
+FALLBACK_NO_PEER_MAP = "no_peer_map"
+FALLBACK_PEER_MAP_FAILED = "peer_map_unusable"
+FALLBACK_OUTSIDE_PEER_MAP = "outside_peer_map"
+
+
+class PeerMapError(RuntimeError):
+    """A peer map that cannot be built, parsed or opened here."""
+
+
+def host_identity() -> str:
+    """This kernel's boot id: equal for two processes only when they share a host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as fh:
+            return fh.read().strip().decode("ascii", "replace")[:64] or "unknown"
+    except OSError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class PeerRegion:
+    ptr: int  # in the exporting process
+    length: int
+    offset: int  # from the start of the allocation the handle names
+    handle: bytes
+
+
+@dataclass(frozen=True)
+class PeerMap:
+    kind: str
+    host: str
+    regions: tuple[PeerRegion, ...]
+
+    @property
+    def handles(self) -> frozenset[bytes]:
+        return frozenset(r.handle for r in self.regions)
+
+
+# --- wire format -------------------------------------------------------------------
+#
+# Appended to decode's registration message (after any staging grant):
+#   [PEER_MAP_TAG, kind (ascii), host boot id (ascii), table]
+# table: per region, little-endian <QQQ> pointer, length, offset, then the
+# 64-byte handle (host-cma: the exporting pid as <Q>, zero padded).
+
+
+def encode_peer_map(peer: PeerMap) -> list[bytes]:
+    table = b"".join(_ENTRY.pack(r.ptr, r.length, r.offset, r.handle) for r in peer.regions)
+    return [PEER_MAP_TAG, peer.kind.encode("ascii"), peer.host.encode("ascii"), table]
+
+
+def find_peer_map(frames: Sequence[bytes]) -> Optional[PeerMap]:
+    """The peer map appended to a registration message, if any. Malformed: PeerMapError."""
+    for i in range(len(frames) - 1, -1, -1):
+        if bytes(frames[i]) == PEER_MAP_TAG:
+            if len(frames) - i < 4:
+                raise PeerMapError(f"peer map of {len(frames) - i - 1} frames, expected 3")
+            return parse_peer_map(frames[i + 1:i + 4])
+    return None
+
+
+def parse_peer_map(frames: Sequence[bytes]) -> PeerMap:
+    kind_raw, host_raw, table = (bytes(f) for f in frames)
+    try:
+        kind, host = kind_raw.decode("ascii"), host_raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise PeerMapError("peer map kind or host is not ASCII") from None
+    if kind not in KINDS:
+        raise PeerMapError(f"peer map of unknown kind {kind[:32]!r}")
+    if not host or len(host) > 64:
+        raise PeerMapError("peer map without a host identity")
+    if not table or len(table) % _ENTRY.size:
+        raise PeerMapError(f"peer map table of {len(table)} bytes is not n*{_ENTRY.size}, n>0")
+    if len(table) // _ENTRY.size > MAX_PEER_REGIONS:
+        raise PeerMapError(f"peer map of {len(table) // _ENTRY.size} regions exceeds {MAX_PEER_REGIONS}")
+    regions = []
+    for ptr, length, offset, handle in _ENTRY.iter_unpack(table):
+        if ptr == 0 or length == 0 or ptr + length >= 1 << 64 or offset >= 1 << 62:
+            raise PeerMapError(f"peer map region [{ptr:#x}, +{length}) is empty or wraps")
+        regions.append(PeerRegion(ptr, length, offset, handle))
+    return PeerMap(kind, host, tuple(regions))
+
+
+# --- translation ---------------------------------------------------------------------
+
+
+class PeerTarget:
+    """One opened peer map: the peer's addresses translated into writable ones here.
+
+    ``acquire``/``release`` bracket every batch; ``retire`` closes the mappings
+    once the last batch using them has released (never under a running copy).
+    """
+
+    def __init__(self, peer: PeerMap, mapped_starts: Sequence[int], transport: "PeerTransport",
+                 opened: Sequence[bytes]):
+        order = sorted(range(len(peer.regions)), key=lambda i: peer.regions[i].ptr)
+        self.peer = peer
+        self.transport = transport
+        self._opened = list(opened)
+        self._starts = np.array([peer.regions[i].ptr for i in order], dtype=np.uint64)
+        self._ends = np.array([peer.regions[i].ptr + peer.regions[i].length for i in order], dtype=np.uint64)
+        self._mapped = np.array([mapped_starts[i] for i in order], dtype=np.uint64)
+        self._lock = threading.Lock()
+        self._users = 0
+        self._retired = False
+        self._closed = False
+        self.context: object = None  # what the transport needs to write (host-cma: the pid)
+
+    def translate(self, dsts: np.ndarray, lengths: np.ndarray) -> tuple[Optional[np.ndarray], Optional[int]]:
+        """(local destinations, None), or (None, index of the first span inside no region)."""
+        idx = np.searchsorted(self._starts, dsts, side="right").astype(np.int64) - 1
+        safe = np.where(idx >= 0, idx, 0)
+        ends = dsts + lengths
+        ok = (idx >= 0) & (ends >= dsts) & (ends <= self._ends[safe])
+        if not ok.all():
+            return None, int(np.argmin(ok))
+        return dsts - self._starts[safe] + self._mapped[safe], None
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self._retired:
+                return False
+            self._users += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            close = self._retired and self._users == 0 and not self._closed
+            self._closed |= close
+        if close:
+            self.transport.close(self._opened)
+
+    def retire(self) -> None:
+        with self._lock:
+            self._retired = True
+            close = self._users == 0 and not self._closed
+            self._closed |= close
+        if close:
+            self.transport.close(self._opened)
+
+
+class PeerTransport(Protocol):
+    kind: str
+
+    def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
+        """This process's ``regions`` as a map another process on this host can open."""
+
+    def open(self, peer: PeerMap) -> PeerTarget:
+        """Map a peer's regions here; PeerMapError when it cannot be done."""
+
+    def write(self, target: PeerTarget, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
+        """One batch from local sources to translated destinations; returns when it landed."""
+
+    def close(self, opened: Sequence[bytes]) -> None:
+        """Give back mappings ``open`` made (reference counted per handle)."""
+
+
+def _check_peer(peer: PeerMap, kind: str) -> None:
+    if peer.kind != kind:
+        raise PeerMapError(f"peer exported {peer.kind} regions; this side writes with {kind}")
+    here = host_identity()
+    if peer.host != here:
+        raise PeerMapError(f"peer runs on another host (boot id {peer.host[:13]}..., here {here[:13]}...)")
+
+
+# --- CUDA IPC --------------------------------------------------------------------------
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]  # opaque; may hold NUL bytes
+
+
+_CUDA_IPC_LAZY_PEER_ACCESS = 1
+
+
+class CudaIpcTransport:
+    """Decode regions exported as CUDA IPC handles; batches written with the batched copy."""
+
+    kind = "cuda-ipc"
+
+    def __init__(self, copier: BatchCopy, device: int):
+        from sglang_dsv41.core.batch_copy import _CudaRuntime
+
+        self.copier = copier
+        self.device = device
+        self._rt = _CudaRuntime.find(loaded_only=False)
+        lib = self._rt.lib
+        vp, ci = ctypes.c_void_p, ctypes.c_int
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), vp]
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [vp]
+        for name in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"):
+            getattr(lib, name).restype = ci
+        self._driver = _driver_library()
+        self._lock = threading.Lock()
+        self._mapped: dict[bytes, list[int]] = {}  # handle -> [local base, references]
+
+    def _on_device(self) -> None:
+        err = self._rt.lib.cudaSetDevice(self.device)
+        if err:
+            raise PeerMapError(f"cudaSetDevice({self.device}) failed: {self._rt.error(err)}")
+
+    def _allocation_of(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        err = self._driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if err:
+            raise PeerMapError(f"cuMemGetAddressRange({ptr:#x}) failed with driver error {err}")
+        return base.value, size.value
+
+    def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
+        self._on_device()
+        handles: dict[int, bytes] = {}
+        out = []
+        for ptr, length in regions:
+            ptr, length = int(ptr), int(length)
+            base, size = self._allocation_of(ptr)
+            if ptr + length > base + size:
+                raise PeerMapError(f"region [{ptr:#x}, +{length}) runs past its allocation")
+            handle = handles.get(base)
+            if handle is None:
+                raw = _IpcHandle()
+                err = self._rt.lib.cudaIpcGetMemHandle(ctypes.byref(raw), ctypes.c_void_p(base))
+                if err:
+                    self._rt.lib.cudaGetLastError()
+                    raise PeerMapError(
+                        f"cudaIpcGetMemHandle({base:#x}) failed: {self._rt.error(err)} (memory from "
+                        "the virtual memory API, e.g. expandable segments, cannot be exported this way)")
+                handle = handles[base] = bytes(raw)
+            out.append(PeerRegion(ptr, length, ptr - base, handle))
+        if not out:
+            raise PeerMapError("no device region to export")
+        return PeerMap(self.kind, host_identity(), tuple(out))
+
+    def open(self, peer: PeerMap) -> PeerTarget:
+        _check_peer(peer, self.kind)
+        self._on_device()
+        opened: list[bytes] = []
+        bases: dict[bytes, int] = {}
+        try:
+            for handle in dict.fromkeys(r.handle for r in peer.regions):
+                bases[handle] = self._open_one(handle)
+                opened.append(handle)
+        except PeerMapError:
+            self.close(opened)
+            raise
+        return PeerTarget(peer, [bases[r.handle] + r.offset for r in peer.regions], self, opened)
+
+    def _open_one(self, handle: bytes) -> int:
+        with self._lock:
+            known = self._mapped.get(handle)
+            if known is not None:
+                known[1] += 1
+                return known[0]
+            raw = _IpcHandle.from_buffer_copy(handle)
+            ptr = ctypes.c_void_p()
+            err = self._rt.lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, _CUDA_IPC_LAZY_PEER_ACCESS)
+            if err:
+                self._rt.lib.cudaGetLastError()
+                raise PeerMapError(f"cudaIpcOpenMemHandle failed: {self._rt.error(err)}")
+            self._mapped[handle] = [int(ptr.value), 1]
+            return int(ptr.value)
+
+    def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
+        self.copier.copy(srcs, dsts, lengths)
+
+    def close(self, opened: Sequence[bytes]) -> None:
+        with self._lock:
+            for handle in opened:
+                known = self._mapped.get(handle)
+                if known is None:
+                    continue
+                known[1] -= 1
+                if known[1] == 0:
+                    del self._mapped[handle]
+                    self._on_device()
+                    err = self._rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(known[0]))
+                    if err:
+                        self._rt.lib.cudaGetLastError()
+
+    @property
+    def open_mappings(self) -> int:
+        with self._lock:
+            return len(self._mapped)
+
+
+def _driver_library():
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        fn = lib.cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        return lib
+    raise PeerMapError("the CUDA driver library (libcuda.so.1) is not loadable")
+
+
+# --- host memory of another process -------------------------------------------------------
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_IOV_MAX = 1024
+_PID = struct.Struct("<Q")
+
+
+class HostCmaTransport:
+    """Another process's host memory written with ``process_vm_writev`` (cross memory attach)."""
+
+    kind = "host-cma"
+
+    def __init__(self):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self._writev = libc.process_vm_writev
+        self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                 ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        self._writev.restype = ctypes.c_ssize_t
+        self._opened = 0
+        self._lock = threading.Lock()
+
+    def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
+        handle = _PID.pack(os.getpid()).ljust(HANDLE_BYTES, b"\0")
+        out = tuple(PeerRegion(int(p), int(n), 0, handle) for p, n in regions if int(n) > 0)
+        if not out:
+            raise PeerMapError("no region to export")
+        return PeerMap(self.kind, host_identity(), out)
+
+    def open(self, peer: PeerMap) -> PeerTarget:
+        _check_peer(peer, self.kind)
+        pids = {_PID.unpack(r.handle[:_PID.size])[0] for r in peer.regions}
+        if len(pids) != 1:
+            raise PeerMapError(f"host peer map names {len(pids)} processes")
+        pid = pids.pop()
+        if pid == os.getpid():
+            raise PeerMapError("host peer map names this very process")
+        probe = ctypes.c_char()
+        local = _IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 0)
+        if self._writev(int(pid), ctypes.byref(local), 1, ctypes.byref(local), 1, 0) < 0:
+            err = ctypes.get_errno()
+            raise PeerMapError(f"process {pid} cannot be written: {os.strerror(err)}")
+        with self._lock:
+            self._opened += 1
+        target = PeerTarget(peer, [r.ptr for r in peer.regions], self, [peer.regions[0].handle])
+        target.context = pid
+        return target
+
+    def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
+        pid = target.context
+        s, d, n = (np.asarray(a, dtype=np.uint64) for a in (srcs, dsts, lengths))
+        i, done_in_entry = 0, 0
+        while i < len(n):
+            count = min(_IOV_MAX, len(n) - i)
+            local = (_IoVec * count)()
+            remote = (_IoVec * count)()
+            for k in range(count):
+                skip = done_in_entry if k == 0 else 0
+                size = int(n[i + k]) - skip
+                local[k].base, local[k].len = int(s[i + k]) + skip, size
+                remote[k].base, remote[k].len = int(d[i + k]) + skip, size
+            wrote = self._writev(int(pid), local, count, remote, count, 0)
+            if wrote < 0:
+                err = ctypes.get_errno()
+                raise BatchCopyError(f"process_vm_writev to {pid} failed: {os.strerror(err)}")
+            if wrote == 0:
+                raise BatchCopyError(f"process_vm_writev to {pid} made no progress")
+            while wrote > 0:  # advance over what landed (a partial write stops at a page)
+                left = int(n[i]) - done_in_entry
+                if wrote >= left:
+                    wrote -= left
+                    i, done_in_entry = i + 1, 0
+                else:
+                    done_in_entry += wrote
+                    wrote = 0
+
+    def close(self, opened: Sequence[bytes]) -> None:
+        with self._lock:
+            self._opened -= 1
+
+    @property
+    def open_mappings(self) -> int:
+        with self._lock:
+            return self._opened
+
+
+# --- prefill: one batch -------------------------------------------------------------------
+
+
+def as_triples(blocks: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(srcs, dsts, lengths) as uint64 arrays from the engine's (src, dst, length) blocks."""
+    try:  # C-level conversion: a batch can be a thousand blocks
+        flat = np.fromiter(
+            itertools.chain.from_iterable(blocks), dtype=np.int64, count=3 * len(blocks)
+        ).reshape(-1, 3).view(np.uint64)
+    except (ValueError, TypeError, OverflowError):  # not plain (src, dst, length) triples
+        flat = np.array([[int(v) for v in block[:3]] for block in blocks], dtype=np.uint64)
+    return flat[:, 0], flat[:, 1], flat[:, 2]
+
+
+@dataclass(frozen=True)
+class PeerOutcome:
+    """``rc`` as the engine would answer; ``fallback`` names why no peer write was made."""
+
+    rc: int
+    fallback: Optional[str] = None
+    nbytes: int = 0
+
+
+def send_peer_batch(blocks, target: Optional[PeerTarget], min_blocks: int, write_direct) -> PeerOutcome:
+    """One transfer batch: a peer write when it qualifies, else ``write_direct(blocks)``.
+
+    A failed peer write raises (BatchCopyError, ...): the caller turns it into
+    the request's transfer failure. Nothing was half-sent the direct way.
+    """
+    if len(blocks) < min_blocks:
+        return PeerOutcome(write_direct(blocks), "few_blocks")
+    if target is None:
+        return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
+    srcs, dsts, lengths = as_triples(blocks)
+    local, outside = target.translate(dsts, lengths)
+    if local is None:
+        return PeerOutcome(write_direct(blocks), FALLBACK_OUTSIDE_PEER_MAP)
+    if not target.acquire():  # retired meanwhile: a newer map replaced it
+        return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
+    try:
+        target.transport.write(target, srcs, local, lengths)
+    finally:
+        target.release()
+    return PeerOutcome(0, None, int(lengths.sum()))

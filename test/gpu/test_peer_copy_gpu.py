@@ -1,0 +1,178 @@
+"""Peer writes over CUDA IPC between two real processes (skips without CUDA).
+
+A spawned "decode" process allocates KV-like buffers with torch (the caching
+allocator, so region pointers are inside larger allocations), exports them
+with ``CudaIpcTransport``, and checks what lands. This process opens the map
+and writes a fragmented DeepSeek-V4.1-sized batch with one batched copy.
+With two GPUs visible the decode process uses the second one (cross-GPU);
+with one, both share GPU 0.
+
+    PYTHONPATH=python python -m pytest test/gpu/test_peer_copy_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from sglang_dsv41.core.batch_copy import batch_copy_for  # noqa: E402
+from sglang_dsv41.core.peer_copy import (  # noqa: E402
+    FALLBACK_OUTSIDE_PEER_MAP,
+    CudaIpcTransport,
+    PeerMapError,
+    encode_peer_map,
+    find_peer_map,
+    send_peer_batch,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+MiB = 1 << 20
+PAGE = 64 << 10
+BUFFERS = 4
+BUFFER_BYTES = 64 * MiB
+
+
+def _decode_side(device: int, conn) -> None:
+    """Own buffers, export them, then answer 'checksum' requests until told to stop."""
+    torch.cuda.set_device(device)
+    pad = torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"cuda:{device}")  # noqa: F841
+    buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8, device=f"cuda:{device}") for _ in range(BUFFERS)]
+    torch.cuda.synchronize()
+    copier = batch_copy_for(device)
+    transport = CudaIpcTransport(copier, device)
+    peer = transport.export([(b.data_ptr(), b.numel()) for b in buffers])
+    conn.send(encode_peer_map(peer))
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            return
+        kind, payload = msg
+        if kind == "read":  # (buffer index, offset, length) -> bytes
+            i, off, n = payload
+            conn.send(buffers[i][off:off + n].cpu().numpy().tobytes())
+        elif kind == "zero":
+            for b in buffers:
+                b.zero_()
+            torch.cuda.synchronize()
+            conn.send("ok")
+
+
+@pytest.fixture(scope="module")
+def decode():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    device = 1 if torch.cuda.device_count() > 1 else 0
+    proc = ctx.Process(target=_decode_side, args=(device, child), daemon=True)
+    proc.start()
+    assert parent.poll(120), "decode process did not export its buffers"
+    frames = parent.recv()
+    yield parent, frames, device
+    parent.send("stop")
+    proc.join(30)
+
+
+@pytest.fixture(scope="module")
+def transport():
+    return CudaIpcTransport(batch_copy_for(0), 0)
+
+
+def test_fragmented_batch_lands_byte_exact(decode, transport):
+    conn, frames, _ = decode
+    peer = find_peer_map([b"registration", *frames])
+    assert len(peer.handles) >= 1 and len(peer.regions) == BUFFERS
+    target = transport.open(peer)
+    rng = np.random.default_rng(7)
+    pages = BUFFER_BYTES // PAGE
+    src = torch.randint(0, 256, (BUFFERS * BUFFER_BYTES,), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    blocks, expect = [], []
+    for b, region in enumerate(peer.regions):
+        dst_pages = rng.permutation(pages)[: pages // 2]
+        for j, page in enumerate(dst_pages):
+            src_off = (b * pages + j) * PAGE
+            blocks.append((src.data_ptr() + src_off, region.ptr + int(page) * PAGE, PAGE))
+            expect.append((b, int(page) * PAGE, src_off))
+    outcome = send_peer_batch(blocks, target, 8, lambda _: pytest.fail("took the direct path"))
+    assert outcome.rc == 0 and outcome.fallback is None and outcome.nbytes == len(blocks) * PAGE
+    host = src.cpu().numpy()
+    for b, off, src_off in expect[:: max(1, len(expect) // 64)]:
+        conn.send(("read", (b, off, PAGE)))
+        assert conn.recv() == host[src_off:src_off + PAGE].tobytes()
+    # untouched pages stay zero
+    written = {(b, off) for b, off, _ in expect}
+    untouched = next((b, p * PAGE) for b in range(BUFFERS) for p in range(pages) if (b, p * PAGE) not in written)
+    conn.send(("read", (untouched[0], untouched[1], PAGE)))
+    assert conn.recv() == bytes(PAGE)
+    target.retire()
+
+
+def test_destination_outside_the_map_goes_direct(decode, transport):
+    _, frames, _ = decode
+    peer = find_peer_map(frames)
+    target = transport.open(peer)
+    try:
+        region = peer.regions[0]
+        past_all = max(r.ptr + r.length for r in peer.regions)
+        src = torch.zeros(2 * PAGE, dtype=torch.uint8, device="cuda:0")
+        blocks = [(src.data_ptr(), region.ptr, PAGE), (src.data_ptr() + PAGE, past_all, PAGE)]
+        direct = []
+        outcome = send_peer_batch(blocks, target, 1, lambda b: direct.append(b) or 0)
+        assert outcome.fallback == FALLBACK_OUTSIDE_PEER_MAP and direct == [blocks]
+    finally:
+        target.retire()
+
+
+def test_retire_closes_the_mappings_after_the_last_user(decode, transport):
+    _, frames, _ = decode
+    peer = find_peer_map(frames)
+    before = transport.open_mappings
+    first, second = transport.open(peer), transport.open(peer)
+    assert transport.open_mappings == before + len(peer.handles)  # shared, not opened twice
+    assert first.acquire()
+    first.retire()
+    second.retire()
+    assert transport.open_mappings == before + len(peer.handles)  # a batch still holds it
+    first.release()
+    assert transport.open_mappings == before
+    assert not first.acquire()
+
+
+def test_own_export_cannot_be_opened_in_the_same_process(transport):
+    buf = torch.zeros(MiB, dtype=torch.uint8, device="cuda:0")
+    peer = transport.export([(buf.data_ptr(), MiB)])
+    with pytest.raises(PeerMapError):
+        transport.open(peer)
+
+
+def test_one_peer_write_against_one_contiguous_copy(decode, transport):
+    """Not a pass/fail speed check: prints the figure the benchmark reports in full."""
+    _, frames, _ = decode
+    target = transport.open(find_peer_map(frames))
+    region = target.peer.regions[0]
+    n_blocks, size = 1068, 32 << 10
+    src = torch.empty(n_blocks * size, dtype=torch.uint8, device="cuda:0")
+    order = np.random.default_rng(3).permutation(region.length // size)[:n_blocks]
+    blocks = [(src.data_ptr() + i * size, region.ptr + int(p) * size, size) for i, p in enumerate(order)]
+    whole = [(src.data_ptr(), region.ptr, n_blocks * size)]
+    timings = {}
+    for name, batch in (("fragmented", blocks), ("contiguous", whole)):
+        for _ in range(3):
+            send_peer_batch(batch, target, 1, None)
+        t = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            send_peer_batch(batch, target, 1, None)
+            t.append(time.perf_counter() - t0)
+        timings[name] = float(np.median(t))
+    print(f"\npeer write, {n_blocks} x {size >> 10} KiB: fragmented {timings['fragmented'] * 1e6:.0f} us, "
+          f"one contiguous {timings['contiguous'] * 1e6:.0f} us (pid {os.getpid()})")
+    target.retire()
