@@ -1,7 +1,7 @@
 """Peer writes over CUDA IPC between two real processes (skips without CUDA).
 
-A spawned "decode" process allocates KV-like buffers with torch (the caching
-allocator, so region pointers are inside larger allocations), exports them
+A spawned "decode" process allocates KV-like buffers with torch (regions
+inside one allocation, at offsets from its start), exports them
 with ``CudaIpcTransport``, and checks what lands. This process opens the map
 and writes a fragmented DeepSeek-V4.1-sized batch with one batched copy.
 With two GPUs visible the decode process uses the second one (cross-GPU);
@@ -44,8 +44,11 @@ BUFFER_BYTES = 64 * MiB
 def _decode_side(device: int, conn) -> None:
     """Own buffers, export them, then answer 'checksum' requests until told to stop."""
     torch.cuda.set_device(device)
-    pad = torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=f"cuda:{device}")  # noqa: F841
-    buffers = [torch.zeros(BUFFER_BYTES, dtype=torch.uint8, device=f"cuda:{device}") for _ in range(BUFFERS)]
+    # Regions inside one allocation, none at its start: the handle names the
+    # allocation and each region travels as an offset into it.
+    lead = 3 * MiB + 4096
+    pool = torch.zeros(lead + BUFFERS * BUFFER_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+    buffers = [pool[lead + i * BUFFER_BYTES:lead + (i + 1) * BUFFER_BYTES] for i in range(BUFFERS)]
     torch.cuda.synchronize()
     copier = batch_copy_for(device)
     transport = CudaIpcTransport(copier, device)
@@ -60,8 +63,7 @@ def _decode_side(device: int, conn) -> None:
             i, off, n = payload
             conn.send(buffers[i][off:off + n].cpu().numpy().tobytes())
         elif kind == "zero":
-            for b in buffers:
-                b.zero_()
+            pool.zero_()
             torch.cuda.synchronize()
             conn.send("ok")
 
@@ -88,7 +90,8 @@ def transport():
 def test_fragmented_batch_lands_byte_exact(decode, transport):
     conn, frames, _ = decode
     peer = find_peer_map([b"registration", *frames])
-    assert len(peer.handles) >= 1 and len(peer.regions) == BUFFERS
+    assert len(peer.handles) == 1 and len(peer.regions) == BUFFERS
+    assert [r.offset for r in peer.regions] == [3 * MiB + 4096 + i * BUFFER_BYTES for i in range(BUFFERS)]
     target = transport.open(peer)
     rng = np.random.default_rng(7)
     pages = BUFFER_BYTES // PAGE

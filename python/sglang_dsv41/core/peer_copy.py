@@ -54,6 +54,9 @@ HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")  # region pointer, length, offset in allocation, handle
 MAX_PEER_REGIONS = 1 << 14
 KINDS = ("cuda-ipc", "host-cma")
+# A peer write costs one kernel launch and a synchronize (tens of us); the
+# engine about 7 us per block: below a handful of blocks the direct path wins.
+DEFAULT_PEER_MIN_BLOCKS = 8
 
 # Why a batch took the direct path instead of a peer write (metric label values).
 FALLBACK_NO_PEER_MAP = "no_peer_map"
