@@ -380,10 +380,11 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.AROUND,
         hook="sglang_dsv41.hooks.kv_staging:around_send_bootstrap_message",
         roles=roles(Role.SCHEDULER),
-        reason="KV staging (opt-in, SGLANG_DSV41_KV_STAGING=1), decode side: the registration "
-        "message to each prefill peer is the only per-peer message sent once; it carries that "
-        "peer's lease of one slot of the decode's staging pool as two trailing frames, which a "
-        "prefill without the plugin ignores. A no-op when staging is off.",
+        reason="KV staging (opt-in, SGLANG_DSV41_KV_STAGING=1 or peer), decode side: the "
+        "registration message to each prefill peer is the only per-peer message sent once; it "
+        "carries that peer's lease of one slot of the decode's staging pool (1), or the decode's "
+        "exported KV regions (peer), as trailing frames, which a prefill without the plugin "
+        "ignores. A no-op when staging is off.",
         source="none: added here (the original fork sends every block directly)",
         signature="(self, *, bootstrap_info: dict, message: List[bytes], operation: Literal['_register_kv_args', 'send_metadata'])",
         ast_sha="f352c53590625ae8",
@@ -398,8 +399,8 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.AROUND,
         hook="sglang_dsv41.hooks.kv_staging:around_register_info_from_zmq",
         roles=roles(Role.SCHEDULER),
-        reason="KV staging, prefill side: read a decode peer's slot grant from the trailing "
-        "frames of its registration message and keep it on the parsed registration info, "
+        reason="KV staging, prefill side: read a decode peer's slot grant or peer map from the "
+        "trailing frames of its registration message and keep it on the parsed registration info, "
         "which the transfer funnel (MC-NVL-TRANSFER) looks up per session.",
         source="none: added here (the original fork sends every block directly)",
         signature="(cls, msg: List[bytes])",

@@ -76,3 +76,60 @@ def test_sizes_follow_the_settings_and_the_region_is_allocated_once(monkeypatch)
         assert (state.pool is not None) == (mode == "decode")
         assert (state.sender is not None) == (mode == "prefill")
     assert kv_staging.staging_region(_manager("null")) is None  # not a PD manager
+
+
+# --- peer mode
+
+
+class _FailingExport:
+    kind = "cuda-ipc"
+
+    def export(self, regions):
+        from sglang_dsv41.core.peer_copy import PeerMapError
+
+        raise PeerMapError("cudaIpcGetMemHandle failed: invalid argument")
+
+
+def test_peer_mode_stops_a_decode_whose_memory_cannot_be_exported(monkeypatch):
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    kv_staging.set_batch_copy(HostBatchCopy())
+    kv_staging.set_peer_transport(_FailingExport())
+    try:
+        with pytest.raises(RuntimeError) as exc:
+            kv_staging.staging_region(_manager("decode"), [(0x1000, 0x1000)])
+    finally:
+        kv_staging.set_peer_transport(None)
+    assert "SGLANG_DSV41_KV_STAGING=peer but the decode side cannot set up peer writes" in str(exc.value)
+    assert "invalid argument" in str(exc.value)
+
+
+def test_peer_mode_without_triton_stops_the_prefill(monkeypatch):
+    import sglang_dsv41.core.batch_copy as batch_copy
+
+    class PerEntry(HostBatchCopy):
+        backend = "memcpy-async"
+        fallback_reason = "triton does not import"
+
+    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
+        kv_staging.staging_region(_manager("prefill"))
+
+
+def test_peer_mode_exports_the_registered_regions_and_allocates_nothing(monkeypatch):
+    from sglang_dsv41.core.peer_copy import HostCmaTransport
+
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    kv_staging.set_batch_copy(HostBatchCopy())
+    kv_staging.set_peer_transport(HostCmaTransport())
+    try:
+        decode, prefill = _manager("decode"), _manager("prefill")
+        assert kv_staging.staging_region(decode, [(0x10000, 0x2000), (0x40000, 0x100)]) is None
+        assert kv_staging.staging_region(prefill, [(0x90000, 0x100)]) is None
+    finally:
+        kv_staging.set_peer_transport(None)
+    exported = kv_staging.state_of(decode).exported
+    assert [(r.ptr, r.length) for r in exported.regions] == [(0x10000, 0x2000), (0x40000, 0x100)]
+    assert kv_staging.state_of(decode).pool is None
+    assert kv_staging.state_of(prefill).exported is None and kv_staging.state_of(prefill).buffers is None
+    assert kv_staging.state_of(prefill).config.min_blocks == 8

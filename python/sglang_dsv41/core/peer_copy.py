@@ -379,6 +379,8 @@ class HostCmaTransport:
         self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                                  ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
         self._writev.restype = ctypes.c_ssize_t
+        self._readv = libc.process_vm_readv
+        self._readv.argtypes, self._readv.restype = self._writev.argtypes, ctypes.c_ssize_t
         self._opened = 0
         self._lock = threading.Lock()
 
@@ -397,11 +399,14 @@ class HostCmaTransport:
         pid = pids.pop()
         if pid == os.getpid():
             raise PeerMapError("host peer map names this very process")
+        # Read one byte of the first region: the same permission a write needs,
+        # without touching the peer's memory.
         probe = ctypes.c_char()
-        local = _IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 0)
-        if self._writev(int(pid), ctypes.byref(local), 1, ctypes.byref(local), 1, 0) < 0:
+        local = _IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 1)
+        remote = _IoVec(peer.regions[0].ptr, 1)
+        if self._readv(int(pid), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 1:
             err = ctypes.get_errno()
-            raise PeerMapError(f"process {pid} cannot be written: {os.strerror(err)}")
+            raise PeerMapError(f"process {pid} cannot be written: {os.strerror(err) if err else 'short read'}")
         with self._lock:
             self._opened += 1
         target = PeerTarget(peer, [r.ptr for r in peer.regions], self, [peer.regions[0].handle])

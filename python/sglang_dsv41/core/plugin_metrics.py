@@ -92,16 +92,18 @@ SERIES: Tuple[Series, ...] = (
            "(receive).", "send, receive"),
     Series("kv_staging_batches", "counter", "path",
            "Prefill: device transfer batches by path with KV staging on: staged (one engine "
-           "write through the decode peer's slot), failed (refused or not acknowledged: the "
-           "request's transfer failed), or the direct path, labelled with why staging was not used.",
-           "staged, failed, no_grant, few_blocks, block_larger_than_slot, busy, slot_retired, "
-           "no_side_channel"),
+           "write through the decode peer's slot), peer (one peer write straight into the "
+           "decode's KV, peer mode), failed (refused, not acknowledged or a failed peer write: "
+           "the request's transfer failed), or the direct path, labelled with why neither was used.",
+           "staged, peer, failed, no_grant, few_blocks, block_larger_than_slot, busy, slot_retired, "
+           "no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
     Series("kv_staging_scatters", "counter", "outcome",
            "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
            "(the prefill's transfer then fails).", "done, refused"),
     Series("kv_staging_grants", "counter", "outcome",
-           "Decode: staging slots leased to prefill peers at registration, or refused because "
-           "every slot is leased (that peer then uses the direct path).", "granted, pool_full"),
+           "Decode: staging slots leased to prefill peers at registration, refused because "
+           "every slot is leased (that peer then uses the direct path), or, in peer mode, "
+           "peer maps sent.", "granted, pool_full, peer_map"),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
     Series("launch_guard_active", "gauge", "rule",

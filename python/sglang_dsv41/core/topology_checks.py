@@ -533,7 +533,7 @@ def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
             continue
         if setting[id(server)] is not None and not uses_nvlink_intra(env):
             problems.append(Problem(server.service.label,
-                                    f"{STAGING_ENV}=1 has no effect without Mooncake's intra-node NVLink "
+                                    f"{STAGING_ENV}={_switch(env)} has no effect without Mooncake's intra-node NVLink "
                                     "transport (MC_INTRANODE_NVLINK or MOONCAKE_PROTOCOL=nvlink_intra)"))
     seen = set()
     for prefill, decode, _ in pairs:
@@ -541,13 +541,24 @@ def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
             continue
         seen.add((id(prefill), id(decode)))
         on = {side: setting[id(s)] is not None for side, s in (("prefill", prefill), ("decode", decode))}
+        pair = f"{prefill.service.label} -> {decode.service.label}"
         if on["prefill"] != on["decode"]:
             only = "prefill" if on["prefill"] else "decode"
-            problems.append(Problem(f"{prefill.service.label} -> {decode.service.label}",
-                                    f"{STAGING_ENV}=1 on the {only} only: staging needs it on both sides "
-                                    "(the decode side leases the slots, the prefill side writes them), so "
-                                    "this pair would send every block directly"))
+            value = _switch((prefill if on["prefill"] else decode).service.environment)
+            problems.append(Problem(pair,
+                                    f"{STAGING_ENV}={value} on the {only} only: it needs the same value on "
+                                    "both sides (the decode side leases slots or exports its KV, the prefill "
+                                    "side writes them), so this pair would send every block directly"))
+        elif on["prefill"] and setting[id(prefill)].mode != setting[id(decode)].mode:
+            problems.append(Problem(pair,
+                                    f"{STAGING_ENV}={_switch(prefill.service.environment)} on the prefill but "
+                                    f"{_switch(decode.service.environment)} on the decode: the modes do not "
+                                    "meet, so this pair would send every block directly"))
     return problems
+
+
+def _switch(env) -> str:
+    return (env.get(STAGING_ENV) or "").strip()
 
 
 def pairing_rejection(prefill: ServerLayout, decode: ServerLayout) -> str | None:
