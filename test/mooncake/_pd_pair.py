@@ -93,7 +93,9 @@ ROOMS = {
 }
 BOOTSTRAP = f"127.0.0.1:{CFG['bootstrap_port']}"
 # KV staging runs: {"env": {...}, "fail_scatter_at": n (decode copy call), "prelease": k
-# (slots leased to made-up peers before registration, to exhaust the pool)}
+# (slots leased to made-up peers before registration, to exhaust the pool),
+# "fail_peer_write_at": n (prefill peer write), "foreign_host": true (the decode
+# exports its peer map under another host's identity)}
 STAGING = CFG.get("staging")
 
 
@@ -234,6 +236,33 @@ class Side:
 
         self.copier = CountingCopy()
         kv_staging.set_batch_copy(self.copier)
+        if STAGING.get("env", {}).get("SGLANG_DSV41_KV_STAGING") == "peer":
+            kv_staging.set_peer_transport(self.peer_transport())
+
+    def peer_transport(self):
+        """Cross-process host writes (process_vm_writev): peer writes without a GPU."""
+        import dataclasses
+
+        from sglang_dsv41.core.peer_copy import HostCmaTransport
+
+        fail_at = STAGING.get("fail_peer_write_at") if self.prefill else None
+        foreign = STAGING.get("foreign_host") and not self.prefill
+
+        class CountingCma(HostCmaTransport):
+            writes = 0
+
+            def export(self, regions):
+                peer = super().export(regions)
+                return dataclasses.replace(peer, host="another-host") if foreign else peer
+
+            def write(self, target, srcs, dsts, lengths):
+                type(self).writes += 1
+                if fail_at is not None and type(self).writes == fail_at:
+                    raise RuntimeError(f"injected peer write failure at write {fail_at}")
+                return super().write(target, srcs, dsts, lengths)
+
+        self.transport = CountingCma()
+        return self.transport
 
     def staging_state(self):
         from sglang_dsv41.hooks import kv_staging
@@ -307,6 +336,9 @@ class Side:
                 60, f"room {name}: prefill transfer never concluded",
             )
             self.result[f"status_{name}"] = final  # KVPoll.Failed is 0: compare names
+        if getattr(self, "transport", None) is not None:
+            self.result["peer_writes"] = type(self.transport).writes
+            self.result["open_peer_maps"] = self.transport.open_mappings
         release.wait(120)  # stay up until decode has its verdict
 
     # --- decode
@@ -452,6 +484,8 @@ class Side:
             self.result["scattered"] = receiver.scattered if receiver else 0
             self.result["scatter_refused"] = receiver.refused if receiver else 0
             self.result["copies"] = type(self.copier).calls
+            if state is not None and state.exported is not None:
+                self.result["exported"] = [[r.ptr, r.length] for r in state.exported.regions]
         self.result["decode_thread_alive"] = self.mgr._worker_threads[0].is_alive()
 
 

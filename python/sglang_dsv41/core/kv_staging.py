@@ -34,7 +34,6 @@ Nothing here imports sglang; copies go through ``batch_copy.BatchCopy``.
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
 import struct
@@ -46,6 +45,7 @@ import numpy as np
 
 from sglang_dsv41.core.batch_copy import Allocation, BatchCopy
 from sglang_dsv41.core.mooncake_routing import AUX_DATA_HEADER, parse_decimal
+from sglang_dsv41.core.peer_copy import DEFAULT_PEER_MIN_BLOCKS, as_triples
 
 # --- settings -------------------------------------------------------------------
 
@@ -67,8 +67,13 @@ class StagingConfigError(ValueError):
     """A staging setting with a value this package does not accept."""
 
 
+MODE_SLOTS = "slots"  # SGLANG_DSV41_KV_STAGING=1: gather, one engine write, scatter
+MODE_PEER = "peer"  # SGLANG_DSV41_KV_STAGING=peer: one peer write (core.peer_copy)
+
+
 @dataclass(frozen=True)
 class StagingConfig:
+    mode: str = MODE_SLOTS
     slots: int = DEFAULT_SLOTS
     slot_bytes: int = DEFAULT_SLOT_MB << 20
     min_blocks: int = DEFAULT_MIN_BLOCKS
@@ -94,8 +99,11 @@ def staging_config(environ: Optional[Mapping[str, str]] = None) -> Optional[Stag
     switch = (env.get(STAGING_ENV) or "").strip()
     if switch in ("", "0"):
         return None
-    if switch != "1":
-        raise StagingConfigError(f"{STAGING_ENV}={switch!r}: use 1 (on) or 0 / unset (off)")
+    if switch not in ("1", MODE_PEER):
+        raise StagingConfigError(
+            f"{STAGING_ENV}={switch!r}: use 1 (slot staging), peer (peer writes) or 0 / unset (off)")
+    mode = MODE_PEER if switch == MODE_PEER else MODE_SLOTS
+    default_min = DEFAULT_PEER_MIN_BLOCKS if mode == MODE_PEER else DEFAULT_MIN_BLOCKS
     raw_timeout = (env.get(ACK_TIMEOUT_ENV) or "").strip()
     timeout = DEFAULT_ACK_TIMEOUT_S
     if raw_timeout:
@@ -106,9 +114,10 @@ def staging_config(environ: Optional[Mapping[str, str]] = None) -> Optional[Stag
         if not 0.1 <= timeout <= 3600:
             raise StagingConfigError(f"{ACK_TIMEOUT_ENV}={timeout} is outside 0.1..3600 seconds")
     return StagingConfig(
+        mode=mode,
         slots=_int_setting(env, SLOTS_ENV, DEFAULT_SLOTS, 1, MAX_SLOTS),
         slot_bytes=_int_setting(env, SLOT_MB_ENV, DEFAULT_SLOT_MB, 1, MAX_SLOT_MB) << 20,
-        min_blocks=_int_setting(env, MIN_BLOCKS_ENV, DEFAULT_MIN_BLOCKS, 1, 1 << 20),
+        min_blocks=_int_setting(env, MIN_BLOCKS_ENV, default_min, 1, 1 << 20),
         ack_timeout_s=timeout,
     )
 
@@ -509,13 +518,7 @@ class StagedSender:
             return StagedOutcome(write(list(blocks)), FALLBACK_POISONED)
         if len(blocks) < self.config.min_blocks:
             return StagedOutcome(write(list(blocks)), FALLBACK_SMALL)
-        try:  # C-level conversion: the batch can be a thousand blocks
-            flat = np.fromiter(
-                itertools.chain.from_iterable(blocks), dtype=np.int64, count=3 * len(blocks)
-            ).reshape(-1, 3).view(np.uint64)
-        except (ValueError, TypeError, OverflowError):  # not plain (src, dst, length) triples
-            flat = np.array([[int(v) for v in block[:3]] for block in blocks], dtype=np.uint64)
-        srcs, dsts, lengths = flat[:, 0], flat[:, 1], flat[:, 2]
+        srcs, dsts, lengths = as_triples(blocks)
         groups = self.groups(lengths)
         if groups is None:
             return StagedOutcome(write(list(blocks)), FALLBACK_BLOCK_TOO_LARGE)

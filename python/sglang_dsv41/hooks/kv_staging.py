@@ -1,14 +1,21 @@
 """Adapter: KV staging (opt-in) inside sglang's Mooncake PD managers.
 
+Two modes (``SGLANG_DSV41_KV_STAGING``): ``1``, slot staging (gather, one
+engine write into a slot the decode side leased, scatter, acknowledgement);
+``peer``, peer writes (the decode side's KV exported over CUDA IPC, one batched
+copy from the prefill straight into it).
+
 Two patch-table entries of their own:
 - AROUND ``CommonKVReceiver._send_bootstrap_message`` (decode): the
-  registration message to each prefill peer carries that peer's slot grant;
-- AROUND ``KVArgsRegisterInfo.from_zmq`` (prefill): the grant is read back and
-  kept on the peer's registration info.
-The mooncake-nvlink hooks call in here to allocate the slot pool or the gather
-buffers at registration, to send a device batch through the granted slot, and
-to scatter a staged-blocks message on the decode thread. The logic lives in
-``sglang_dsv41.core.kv_staging``.
+  registration message to each prefill peer carries that peer's slot grant,
+  or the decode side's peer map;
+- AROUND ``KVArgsRegisterInfo.from_zmq`` (prefill): the grant or peer map is
+  read back and kept on the peer's registration info.
+The mooncake-nvlink hooks call in here at registration (allocate the slot pool
+or gather buffers, or export the peer map), to send a device batch (through
+the slot, or as a peer write), and to scatter a staged-blocks message on the
+decode thread. The logic lives in ``sglang_dsv41.core.kv_staging`` and
+``sglang_dsv41.core.peer_copy``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Callable, Optional
 from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
 from sglang_dsv41.core.kv_staging import (
+    MODE_PEER,
     FALLBACK_BUSY,
     FALLBACK_SMALL,
     GrantState,
@@ -40,21 +48,41 @@ from sglang_dsv41.core.kv_staging import (
     parse_ack,
     staging_config,
 )
+from sglang_dsv41.core.peer_copy import (
+    FALLBACK_NO_PEER_MAP,
+    FALLBACK_PEER_MAP_FAILED,
+    PeerMap,
+    PeerMapError,
+    PeerTarget,
+    PeerTransport,
+    encode_peer_map,
+    find_peer_map,
+    send_peer_batch,
+)
 
 logger = logging.getLogger("sglang_dsv41.mooncake")
 
 GRANT_ATTR = "_dsv41_staging_grant"
+PEER_MAP_ATTR = "_dsv41_peer_map"
 _STATE_ATTR = "_dsv41_kv_staging"
 FALLBACK_NO_SIDE_CHANNEL = "no_side_channel"
 
-# Tests on machines without a GPU inject a copier here; None = CUDA on the manager's GPU.
+# Tests on machines without a GPU inject a copier and a peer transport here;
+# None = CUDA on the manager's GPU.
 _injected_copier: Optional[BatchCopy] = None
+_injected_transport: Optional[PeerTransport] = None
 
 
 def set_batch_copy(copier: Optional[BatchCopy]) -> None:
     """Use ``copier`` for staging buffers and copies in managers built from now on."""
     global _injected_copier
     _injected_copier = copier
+
+
+def set_peer_transport(transport: Optional[PeerTransport]) -> None:
+    """Use ``transport`` for peer maps and peer writes in managers built from now on."""
+    global _injected_transport
+    _injected_transport = transport
 
 
 @dataclass
@@ -67,6 +95,9 @@ class StagingState:
     receiver: Optional[StagedReceiver] = None
     grants: dict = field(default_factory=dict)  # (session, slot, lease) -> GrantState
     lock: threading.Lock = field(default_factory=threading.Lock)
+    transport: Optional[PeerTransport] = None  # peer mode, both sides
+    exported: Optional[PeerMap] = None  # peer mode, decode
+    targets: dict = field(default_factory=dict)  # peer mode, prefill: session -> (PeerMap, target or None)
 
 
 def state_of(manager) -> Optional[StagingState]:
@@ -96,11 +127,31 @@ def _copier_for(manager) -> BatchCopy:
     return copier
 
 
-def staging_region(manager) -> Optional[tuple[int, int]]:
-    """Allocate this manager's staging memory once (when staging is on); the region to register.
+def _transport_for(manager, copier: BatchCopy) -> PeerTransport:
+    if _injected_transport is not None:
+        return _injected_transport
+    from sglang_dsv41.core.peer_copy import CudaIpcTransport
 
-    Fails closed: staging asked for but impossible stops the manager's
-    construction with a message naming the setting.
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    return CudaIpcTransport(copier, gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else 0)
+
+
+def _set_up_peer_mode(manager, role: str, config: StagingConfig, device_regions) -> StagingState:
+    copier = _copier_for(manager)
+    state = StagingState(config, copier, transport=_transport_for(manager, copier))
+    if role == "decode":
+        regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
+        state.exported = state.transport.export(regions)
+    return state
+
+
+def staging_region(manager, device_regions=()) -> Optional[tuple[int, int]]:
+    """Set up this manager's staging once (when staging is on); the region to register, if any.
+
+    ``device_regions`` are the regions registered with the engine: in peer
+    mode the decode side exports them. Fails closed: staging asked for but
+    impossible stops the manager's construction with a message naming the
+    setting.
     """
     state = state_of(manager)
     if state is None:
@@ -112,6 +163,22 @@ def staging_region(manager) -> Optional[tuple[int, int]]:
             return None
         role = _role(manager)
         if role not in ("prefill", "decode"):
+            return None
+        if config.mode == MODE_PEER:
+            try:
+                state = _set_up_peer_mode(manager, role, config, device_regions)
+            except (BatchCopyError, PeerMapError, RuntimeError, OSError) as exc:
+                raise RuntimeError(
+                    f"[sglang-dsv41] {STAGING_ENV}=peer but the {role} side cannot set up peer "
+                    f"writes: {exc}. Use {STAGING_ENV}=1 or unset it, or fix the cause."
+                ) from exc
+            manager.__dict__[_STATE_ATTR] = state
+            logger.info(
+                "[sglang-dsv41] KV peer writes on (%s side, %s): %s", role, state.transport.kind,
+                f"{len(state.exported.regions)} regions in {len(state.exported.handles)} allocations "
+                "exported" if state.exported is not None else
+                f"batches of {config.min_blocks}+ device blocks written straight into the decode's KV",
+            )
             return None
         try:
             copier = _copier_for(manager)
@@ -137,6 +204,7 @@ def staging_region(manager) -> Optional[tuple[int, int]]:
     return owner.region if owner is not None else None
 
 
+
 _warned_without_nvlink = False
 
 
@@ -159,7 +227,10 @@ def warn_without_nvlink_intra() -> None:
 def around_send_bootstrap_message(original, self, *, bootstrap_info, message, operation):
     """AROUND CommonKVReceiver._send_bootstrap_message: the registration carries the peer's grant."""
     state = state_of(getattr(self, "kv_mgr", None)) if operation == "_register_kv_args" else None
-    if state is not None and state.pool is not None and not bootstrap_info.get("is_dummy"):
+    if state is not None and state.exported is not None and not bootstrap_info.get("is_dummy"):
+        plugin_metrics.count_kv_staging("kv_staging_grants", "peer_map")
+        message = list(message) + encode_peer_map(state.exported)
+    elif state is not None and state.pool is not None and not bootstrap_info.get("is_dummy"):
         peer = f"{bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')}"
         grant = state.pool.lease(peer)
         if grant is None:
@@ -184,6 +255,13 @@ def around_register_info_from_zmq(original, cls, msg):
         grant = None
     if grant is not None:
         info.__dict__[GRANT_ATTR] = grant
+    try:
+        peer = find_peer_map(msg)
+    except PeerMapError as exc:
+        logger.error("[sglang-dsv41] KV peer writes: ignoring a malformed peer map: %s", exc)
+        peer = None
+    if peer is not None:
+        info.__dict__[PEER_MAP_ATTR] = peer
     return info
 
 
@@ -246,14 +324,55 @@ def _await_ack(sock) -> Callable[[int, float], Optional[str]]:
 # --- prefill: one device batch ------------------------------------------------------------
 
 
+def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optional[PeerTarget], Optional[str]]:
+    """The opened peer map of ``session_id``'s latest registration, or (None, why not)."""
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    peer = getattr(table.get(session_id), PEER_MAP_ATTR, None)
+    if peer is None:
+        return None, FALLBACK_NO_PEER_MAP
+    with state.lock:
+        known = state.targets.get(session_id)
+        if known is not None and known[0] is peer:
+            return known[1], (None if known[1] is not None else FALLBACK_PEER_MAP_FAILED)
+        if known is not None and known[1] is not None:
+            known[1].retire()  # the decode registered again (restarted): drop its old mappings
+        try:
+            target = state.transport.open(peer)
+        except (PeerMapError, OSError) as exc:
+            logger.error(
+                "[sglang-dsv41] KV peer writes: cannot map decode session %s (%s): %s; its batches "
+                "go the direct way", session_id, peer.kind, exc,
+            )
+            target = None
+        state.targets[session_id] = (peer, target)
+    return target, (None if target is not None else FALLBACK_PEER_MAP_FAILED)
+
+
+def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
+    target, why_not = _peer_target(manager, state, session_id)
+    if target is None:
+        plugin_metrics.count_kv_staging("kv_staging_batches", why_not)
+        return write(blocks)
+    try:
+        outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
+    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
+        plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s", session_id, type(exc).__name__, exc)
+        return -1
+    plugin_metrics.count_kv_staging("kv_staging_batches", outcome.fallback or "peer")
+    return outcome.rc
+
+
 def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
-    """Send ``blocks`` (device-sourced) through the peer's slot, or directly; the engine's code."""
+    """Send ``blocks`` (device-sourced) as a peer write, through the peer's slot, or directly."""
     state = state_of(manager)
-    if state is None or state.sender is None:
+    if state is None or (state.sender is None and state.transport is None):
         return write(blocks)
     if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
         plugin_metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
         return write(blocks)
+    if state.transport is not None:
+        return _send_peer(manager, state, session_id, blocks, write)
     grant_state = _grant_state(manager, state, session_id)
     try:
         channel = side_channel() if grant_state is not None else None
@@ -314,8 +433,9 @@ def handle_staged(manager, msg, published: Callable[[], list]) -> None:
     """Scatter one staged-blocks message and acknowledge it; never raises."""
     state = state_of(manager)
     if state is None or state.pool is None:
-        logger.error("[sglang-dsv41] KV staging: a staged-blocks message arrived but staging is "
-                     "off on this decode side; dropped (the prefill's transfer times out)")
+        logger.error("[sglang-dsv41] KV staging: a staged-blocks message arrived but this decode "
+                     "side has no slot pool (staging off or in peer mode); dropped (the prefill's "
+                     "transfer times out)")
         plugin_metrics.count_kv_staging("kv_staging_scatters", "refused")
         return
     if state.receiver is None:

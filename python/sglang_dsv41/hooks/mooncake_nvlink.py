@@ -103,7 +103,7 @@ def after_registerable_regions(result, self):
             f"device and host memory cannot be told apart: {exc}. Registering a host "
             "region would fail the whole registration."
         ) from exc
-    staging = kv_staging.staging_region(self)
+    staging = kv_staging.staging_region(self, plan.register)
     if staging is not None and staging not in plan.register:
         # Allocated by the staging copier on this manager's device: engine memory.
         plan.register.append(staging)

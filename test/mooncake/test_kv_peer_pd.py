@@ -1,0 +1,131 @@
+"""KV peer writes (``SGLANG_DSV41_KV_STAGING=peer``) over a real sglang 0.5.23 Mooncake PD pair.
+
+The harness of test_nvlink_pd_integration (_pd_pair.py): real managers,
+bootstrap server, senders and receivers, real Mooncake engines over tcp,
+buffers in host memory whose "device" classification is injected. Without a
+GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
+decode process): the same registration, map, translation and write path the
+CUDA IPC transport takes. Three runs in parallel:
+- peer: the KV batches land as peer writes, byte-exact, and the decode
+  buffers already hold every byte when the Success status is applied;
+- failing: the third peer write fails (room B's KV batch, after room A
+  completed): room B fails on both sides, room A stays byte-exact;
+- foreign: the decode's map claims another host: the prefill refuses to open
+  it and every batch takes the direct path, counted, byte-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_nvlink_pd_integration import PAIR, _collect, _free_port, _tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+PEER = {"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "2"}
+RUNS = {
+    "peer": {"env": PEER},
+    # MIN_BLOCKS 1 sends the one-device-block state batch as a peer write too:
+    # writes are room A KV, room A state, room B KV (fails).
+    "failing": {"env": {**PEER, "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "1"}, "fail_peer_write_at": 3},
+    "foreign": {"env": PEER, "foreign_host": True},
+}
+
+
+def _cma_usable() -> bool:
+    import ctypes
+
+    from sglang_dsv41.core.peer_copy import _IoVec
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    probe = ctypes.c_char()
+    iov = _IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 1)
+    child = os.fork()
+    if child == 0:  # a child writes its parent: what the prefill does to the decode
+        os._exit(0 if libc.process_vm_writev(os.getppid(), ctypes.byref(iov), 1, ctypes.byref(iov), 1, 0) == 1 else 1)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+if not _cma_usable():
+    pytest.skip("process_vm_writev between sibling processes is not permitted here", allow_module_level=True)
+
+
+def _start(name: str, model: str, room: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("SGLANG_DSV41_ALLOW_DRIFT", None)
+    env.pop("SGLANG_PLUGINS", None)
+    env.update(MOONCAKE_PROTOCOL="tcp", MC_INTRANODE_NVLINK="1", SGLANG_HOST_IP="127.0.0.1")
+    cfg = {"model": model, "bootstrap_port": _free_port(), "room": room, "timeout": 400,
+           "staging": RUNS[name]}
+    return subprocess.Popen(
+        [sys.executable, str(PAIR), "full", json.dumps(cfg)], env=env, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = _tiny_model(tmp_path_factory.mktemp("model"))
+    procs = {name: _start(name, model, 21000 + 1000 * i) for i, name in enumerate(RUNS)}
+    return {name: _collect(p) for name, p in procs.items()}
+
+
+def _batches(res, role):
+    return res[role]["plugin_metrics"].get("kv_staging_batches", {})
+
+
+def test_peer_writes_are_byte_exact_and_land_before_status(runs):
+    r = runs["peer"]
+    for room in ("A", "B"):
+        assert r["prefill"][f"status_{room}"] == "success"
+        assert r["decode"][f"status_{room}"] == "success"
+        assert r["decode"][f"mismatch_{room}"] == []
+    # At the Success status every KV byte is in place. Room B is the
+    # harness's negative control: its host-block frames are held back until
+    # after the status, and the snapshot sees exactly those missing.
+    assert r["decode"]["mismatch_at_status_A"] == []
+    assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "state1"]
+    assert r["decode"]["stray_writes"] == []
+    # KV batches as peer writes; the one-block state batches below MIN_BLOCKS went direct.
+    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    assert r["prefill"]["peer_writes"] == 2
+    assert r["prefill"]["open_peer_maps"] == 1
+    assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"peer_map": 1}
+    # no slot pool, no scatter on the decode side
+    assert r["decode"]["scattered"] == 0 and r["decode"]["copies"] == 0
+
+
+def test_the_decode_exports_exactly_its_engine_registered_regions(runs):
+    d = runs["peer"]["decode"]
+    assert sorted(map(tuple, d["exported"])) == sorted(map(tuple, d["registered"]))
+    assert not {tuple(x) for x in d["host_regions"]} & {tuple(x) for x in d["exported"]}
+    # nothing extra registered in peer mode (no slots)
+    assert sorted(map(tuple, d["registered"])) == sorted(map(tuple, d["device_regions"]))
+
+
+def test_a_failed_peer_write_fails_that_request_only(runs):
+    r = runs["failing"]
+    assert r["prefill"]["status_A"] == "success" and r["decode"]["status_A"] == "success"
+    assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
+    assert r["prefill"]["status_B"] == "failed"
+    assert r["decode"]["status_B"] == "failed"
+    assert _batches(r, "prefill") == {"peer": 2, "failed": 1}
+
+
+def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
+    r = runs["foreign"]
+    for room in ("A", "B"):
+        assert r["prefill"][f"status_{room}"] == "success"
+        assert r["decode"][f"mismatch_{room}"] == []
+    assert _batches(r, "prefill") == {"peer_map_unusable": 2, "few_blocks": 2}
+    assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
