@@ -18,7 +18,7 @@ nvlink_intra, device buffers from torch, pinned host buffers, CUDA
 classification. Imports torch, mooncake and sglang_dsv41.core only.
 
 ``--pattern dsv41``: the blocks sglang 0.5.23 sends for one DeepSeek-V4.1
-request, per request instead of per batch. Three paths from one run, on the same
+request, per request instead of per batch. Several paths from one run, on the same
 engine pair and buffers, in interleaved rounds:
 - stock:      upstream's call structure: one ``_transfer_data`` body (zip, then
               the engine) per prefill chunk's KV batch, then one per state call;
@@ -28,7 +28,14 @@ engine pair and buffers, in interleaved rounds:
               batch of at least --staging-min-blocks device blocks gathered
               into a registered buffer, one engine write into the receiver's
               slot, a staged-blocks message, the receiver's scatter and its
-              acknowledgement; timed end to end (--no-staging leaves it out).
+              acknowledgement; timed end to end (--no-staging leaves it out);
+- peer:       peer writes (``core.peer_copy``): the receiver exports its
+              destination buffers (CUDA IPC on the GPU, its host memory for
+              ``process_vm_writev`` in CPU mode) and hands the map over in the
+              handshake; the sender routes, then writes each batch of at least
+              --peer-min-blocks device blocks with one batched copy straight
+              into the receiver's buffers, smaller batches the direct way
+              (--no-peer leaves it out).
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -516,6 +523,33 @@ def staging_memory(args, sender: bool):
     return copier, (LocalBuffers if sender else SlotPool)(copier, config), config
 
 
+def peer_transport(args):
+    """The peer-write transport of this side, or None when the peer path is left out.
+
+    GPU: CUDA IPC handles of the receiver's buffers, batches written with the
+    batched copy on this process's GPU. CPU: the receiver's host memory, written
+    with process_vm_writev.
+    """
+    if args.pattern != "dsv41" or args.no_peer:
+        return None
+    from sglang_dsv41.core import peer_copy
+
+    if args.mode == "gpu":
+        from sglang_dsv41.core.batch_copy import batch_copy_for
+
+        return peer_copy.CudaIpcTransport(batch_copy_for(args.gpu, prefer=args.staging_copy), args.gpu)
+    return peer_copy.HostCmaTransport()
+
+
+def encode_peer_frames(frames: list[bytes]) -> list[str]:
+    """Peer-map frames as text for the JSON handshake (hex)."""
+    return [bytes(f).hex() for f in frames]
+
+
+def decode_peer_frames(texts: list[str]) -> list[bytes]:
+    return [bytes.fromhex(t) for t in texts]
+
+
 def _spans_digest(torch, buffers, spans, dst: bool) -> bytes:
     import hashlib
 
@@ -552,9 +586,22 @@ def run_dsv41_receiver(args) -> None:
                     clock["copy_s"] += time.perf_counter() - t0
 
         staged = StagedReceiver(pool, [(t.data_ptr(), t.numel()) for t in buffers], ClockedCopy())
+    peer_map = None
+    transport = peer_transport(args)
+    if transport is not None:  # the buffers the engine writes into, as the decode side exports them
+        from sglang_dsv41.core.peer_copy import PeerMapError, encode_peer_map
+
+        try:
+            exported = transport.export([(t.data_ptr(), t.numel()) for t in buffers])
+        except PeerMapError as exc:
+            log(f"error: the receiver cannot export its buffers for peer writes: {exc} "
+                "(--no-peer leaves the peer path out)")
+            os._exit(2)
+        peer_map = encode_peer_frames(encode_peer_map(exported))
     print("READY " + json.dumps({
         "session": f"127.0.0.1:{engine.get_rpc_port()}",
         "addrs": [t.data_ptr() for t in buffers], "port": channel.port, "grant": grant,
+        "peer_map": peer_map,
     }), flush=True)
     channel.accept()
     while True:
@@ -649,6 +696,25 @@ def run_dsv41_sender(args) -> None:
         def staged(blocks):  # as in production: routing first, staging for the device blocks
             return router.route(blocks, staged_device, lambda: side)
 
+    peer_path, peer_counts = None, {}
+    transport = peer_transport(args)
+    if transport is not None and peer.get("peer_map"):
+        from sglang_dsv41.core.peer_copy import find_peer_map, send_peer_batch
+
+        peer_map = find_peer_map(decode_peer_frames(peer["peer_map"]))
+        if peer_map is None:
+            raise RuntimeError("the receiver's peer-map frames hold no peer map")
+        target = transport.open(peer_map)
+
+        def peer_device(blocks):
+            outcome = send_peer_batch(blocks, target, args.peer_min_blocks, funnel)
+            way = outcome.fallback or "peer"  # how each batch went: a peer write or why not
+            peer_counts[way] = peer_counts.get(way, 0) + 1
+            return outcome.rc
+
+        def peer_path(blocks):  # as in production: routing first, peer writes for the device blocks
+            return router.route(blocks, peer_device, lambda: side)
+
     def request(call, batches):
         def run():
             for blocks in batches:
@@ -670,6 +736,8 @@ def run_dsv41_sender(args) -> None:
                  "contiguous": request(funnel, flat)}
         if staged is not None:
             paths["staged"] = request(staged, batches)
+        if peer_path is not None:
+            paths["peer"] = request(peer_path, batches)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
@@ -707,10 +775,12 @@ def run_dsv41_sender(args) -> None:
         # Byte-exact: clear the receiver, move the request once through each moving path.
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
-        moving = ("routed", "staged") if staged is not None and not args.staging_null_scatter else ("routed",)
+        moving = ["routed"] + (["staged"] if staged is not None and not args.staging_null_scatter else [])
+        moving += ["peer"] if peer_path is not None else []
         for k in moving:
             channel.send([b"CLEAR"])
             channel.recv()
+            peer_counts.clear()
             rc = paths[k]()
             channel.send([b"CHECK", json.dumps(all_spans).encode()])
             reply = channel.recv()
@@ -732,12 +802,19 @@ def run_dsv41_sender(args) -> None:
             row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
             row["staged_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples["staged"]))
+        if peer_path is not None:
+            row["peer_x_contiguous"] = row["peer_us"] / row["contiguous_us"]
+            row["peer_over_stock"] = statistics.median(
+                s / r for s, r in zip(samples["stock"], samples["peer"]))
+            row["peer_batches"] = dict(peer_counts)  # of the byte-exact request: peer writes, direct ones
         rows.append(row)
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
             f"routed/stock {row['routed_over_stock']:.3f}"
             + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
-               if staged is not None else "") + f", exact {exact}")
+               if staged is not None else "")
+            + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous)"
+               if peer_path is not None else "") + f", exact {exact}")
     # The side channel's own round trip, for reading the staged path's ack wait.
     pings = []
     for _ in range(200):
@@ -822,8 +899,32 @@ def print_dsv41(run: dict, title: str) -> None:
         print("send: the whole staging call (gather + write + notify + ack wait + Python); "
               "ack wait includes the receiver's handling; side channel round trip alone: "
               f"{run.get('channel_round_trip_us', float('nan')):.0f} us")
+    if any("peer_us" in r for r in run["rows"]):
+        print(f"\n{'request':>16} {'peer us':>8} {'contig us':>10} {'peer x contig':>14} "
+              f"{'stock x contig':>15} {'stock/peer':>11}  batches")
+        for r in run["rows"]:
+            ways = ", ".join(f"{k} {v}" for k, v in sorted(r["peer_batches"].items()))
+            print(f"{r['case']:>16} {r['peer_us']:8.0f} {r['contiguous_us']:10.0f} "
+                  f"{r['peer_x_contiguous']:13.1f}x {r['stock_x_contiguous']:14.1f}x "
+                  f"{r['peer_over_stock']:11.2f}  {ways}")
+        print(f"peer: routing, then one batched copy into the receiver's exported buffers per batch of "
+              f">= {run.get('peer_min_blocks', '?')} device blocks, smaller batches direct; batches: how "
+              "one request's device batches went (peer write, or the direct path and why)")
+        print_peer_goals({r["case"]: r["peer_x_contiguous"] for r in run["rows"] if "peer_us" in r})
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
+
+
+# Peer-write goals: (request, at most this many times one contiguous write of the same bytes)
+PEER_GOALS = (("32k fragmented", 3.0), ("8k contiguous", 2.0))
+
+
+def print_peer_goals(peer_x_contiguous: dict, over: str = "") -> None:
+    for case, limit in PEER_GOALS:
+        if case in peer_x_contiguous:
+            got = peer_x_contiguous[case]
+            print(f"goal: {case} peer within {limit:.0f}x of one contiguous write: {got:.2f}x{over}, "
+                  f"{'met' if got <= limit else 'NOT met'}")
 
 
 def summarize_dsv41(runs: list[dict]) -> list[dict]:
@@ -835,7 +936,7 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
                     "stock_us", "routed_us", "contiguous_us", "staged_us", "staged_x_contiguous",
-                    "staged_over_stock"):
+                    "staged_over_stock", "peer_us", "peer_x_contiguous", "peer_over_stock"):
             if key not in first:
                 continue
             vals = [r[key] for r in rows]
@@ -866,6 +967,10 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
         common.append("--staging-probe")
     if args.staging_null_scatter:
         common.append("--staging-null-scatter")
+    if args.no_peer:
+        common.append("--no-peer")
+    if args.peer_min_blocks is not None:
+        common += ["--peer-min-blocks", str(args.peer_min_blocks)]
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -909,7 +1014,12 @@ def main() -> None:
     p.add_argument("--staging-probe", action="store_true",
                    help="dsv41: after the cases, time each piece of the staged path alone")
     p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
-                   help="dsv41, GPU: the batched copy's backend (default: triton when importable)")
+                   help="dsv41, GPU: the batched copy's backend of the staged and peer paths "
+                   "(default: triton when importable)")
+    p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")
+    p.add_argument("--peer-min-blocks", type=int, default=None,
+                   help="dsv41: fewest device blocks a batch needs for a peer write (default: "
+                   "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS's default under SGLANG_DSV41_KV_STAGING=peer)")
     p.add_argument("--staging-min-blocks", type=int, default=None,
                    help="dsv41: fewest blocks a batch needs to be staged (default: the default of "
                    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS)")
@@ -991,6 +1101,12 @@ def main_dsv41(args) -> None:
         from sglang_dsv41.core.kv_staging import DEFAULT_MIN_BLOCKS
 
         args.staging_min_blocks = DEFAULT_MIN_BLOCKS
+    if args.peer_min_blocks is None:
+        from sglang_dsv41.core.peer_copy import DEFAULT_PEER_MIN_BLOCKS
+
+        args.peer_min_blocks = DEFAULT_PEER_MIN_BLOCKS
+    if args.peer_min_blocks < 1:
+        sys.exit("error: --peer-min-blocks must be at least 1")
     args.device_mib = args.device_mib or 1
     args.host_mib = args.host_mib or 1
     peer_gpu = args.gpu if args.peer_gpu is None else args.peer_gpu
@@ -1000,6 +1116,7 @@ def main_dsv41(args) -> None:
     for i in range(args.repeat):
         log(f"[{args.mode}] DeepSeek-V4.1 requests, {protocol}, {where}, run {i + 1} of {args.repeat}")
         runs.append(run_pair(args, protocol, "device", engine_only=False, peer_gpu=peer_gpu))
+        runs[-1]["peer_min_blocks"] = None if args.no_peer else args.peer_min_blocks
         print_dsv41(runs[-1], f"DeepSeek-V4.1 request pattern, run {i + 1} of {args.repeat} ({args.mode} "
                     f"mode, {protocol}, {where}; paths in turns, {args.rounds} rounds x {args.iters} requests, "
                     f"times: median of the round medians, routed/stock: median of the round ratios; "
@@ -1018,13 +1135,23 @@ def main_dsv41(args) -> None:
                 a, b = e["staged_x_contiguous"], e["staged_over_stock"]
                 print(f"{e['case']:>16} {a['median']:10.1f}x [{a['min']:.1f} - {a['max']:.1f}] "
                       f"{b['median']:10.2f} [{b['min']:.2f} - {b['max']:.2f}]")
+        if "peer_x_contiguous" in summary[0]:
+            print(f"\n{'request':>16} {'peer us':>24} {'peer x contiguous':>24} {'stock / peer':>24}")
+            for e in summary:
+                u, a, b = e["peer_us"], e["peer_x_contiguous"], e["peer_over_stock"]
+                print(f"{e['case']:>16} {u['median']:9.0f} [{u['min']:.0f} - {u['max']:.0f}] "
+                      f"{a['median']:9.2f}x [{a['min']:.2f} - {a['max']:.2f}] "
+                      f"{b['median']:9.2f} [{b['min']:.2f} - {b['max']:.2f}]")
+            print_peer_goals({e["case"]: e["peer_x_contiguous"]["median"] for e in summary},
+                             " (median over runs)")
     worst = min(e["routed_over_stock"]["median"] for e in summary)
     exact = all(e["byte_exact"] for e in summary)
     print(f"\nworst routed/stock (median over runs): {worst:.3f}; every request byte-exact: {exact}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": args.mode, "protocol": protocol, "where": where, "rounds": args.rounds,
-                       "iters": args.iters, "runs": runs, "summary": summary}, f, indent=1)
+                       "iters": args.iters, "peer_min_blocks": None if args.no_peer else args.peer_min_blocks,
+                       "runs": runs, "summary": summary}, f, indent=1)
     if not exact:
         sys.exit(1)
 

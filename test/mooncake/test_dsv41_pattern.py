@@ -5,7 +5,8 @@
   the buffers PD registers; every constant of the benchmark must match.
 - Its blocks merge as upstream's ``group_concurrent_contiguous`` merges them.
 - The benchmark runs in CPU mode (real Mooncake engines over tcp on 127.0.0.1),
-  byte-exact, and refuses bad input with one line.
+  byte-exact on every moving path, the peer path included (the receiver's host
+  buffers written with process_vm_writev), and refuses bad input with one line.
 """
 
 from __future__ import annotations
@@ -145,13 +146,40 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
         assert row["byte_exact"] is True
         assert (row["calls"], row["blocks"], row["bytes"]) == EXPECTED[name]
         assert row["stock_us"] > 0 and row["routed_us"] > 0 and row["contiguous_us"] > 0
+        assert row["peer_us"] > 0 and row["peer_x_contiguous"] > 0 and row["peer_over_stock"] > 0
+    # The peer path really wrote through the exported map (a batch sent the
+    # direct way would be byte-exact too): every batch of at least 8 device
+    # blocks as one peer write, only the 3-row request-state call direct.
+    assert rows["8k runs of 8"]["peer_batches"] == {"peer": 2, "few_blocks": 1}
+    assert rows["state alone"]["peer_batches"] == {"peer": 1, "few_blocks": 1}
+    assert result["peer_min_blocks"] == 8
     assert result["runs"][0]["memory_backend"] == "InjectedKinds"
     assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
+    assert "stock/peer" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
+    out = tmp_path / "dsv41.json"
+    # Above the threshold of every batch: the peer path sends everything the direct way.
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+                      "--peer-min-blocks", "44", "--rounds", "1", "--iters", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["runs"][0]["rows"][0]
+    assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 2}
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+                      "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["peer_min_blocks"] is None
+    assert not any(k.startswith("peer") for k in result["runs"][0]["rows"][0])
+    assert "stock/peer" not in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--pattern", "dsv41", "--case", "9k contiguous"], "unknown --case '9k contiguous'"),
     (["--pattern", "dsv41", "--repeat", "0"], "must be at least 1"),
+    (["--pattern", "dsv41", "--peer-min-blocks", "0"], "--peer-min-blocks must be at least 1"),
     (["--case", "state alone"], "apply to --pattern dsv41 only"),
 ])
 def test_bad_input_is_one_line_and_nonzero(argv, message):
