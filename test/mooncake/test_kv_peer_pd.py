@@ -16,18 +16,14 @@ CUDA IPC transport takes. Three runs in parallel:
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
-
 sys.path.insert(0, str(Path(__file__).parent))
-from test_nvlink_pd_integration import PAIR, _collect, _free_port, _tiny_model  # noqa: E402
+from test_kv_staging_pd import run_pairs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,24 +56,9 @@ if not _cma_usable():
     pytest.skip("process_vm_writev between sibling processes is not permitted here", allow_module_level=True)
 
 
-def _start(name: str, model: str, room: int) -> subprocess.Popen:
-    env = dict(os.environ)
-    env.pop("SGLANG_DSV41_ALLOW_DRIFT", None)
-    env.pop("SGLANG_PLUGINS", None)
-    env.update(MOONCAKE_PROTOCOL="tcp", MC_INTRANODE_NVLINK="1", SGLANG_HOST_IP="127.0.0.1")
-    cfg = {"model": model, "bootstrap_port": _free_port(), "room": room, "timeout": 400,
-           "staging": RUNS[name]}
-    return subprocess.Popen(
-        [sys.executable, str(PAIR), "full", json.dumps(cfg)], env=env, cwd=REPO_ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    model = _tiny_model(tmp_path_factory.mktemp("model"))
-    procs = {name: _start(name, model, 21000 + 1000 * i) for i, name in enumerate(RUNS)}
-    return {name: _collect(p) for name, p in procs.items()}
+    return run_pairs(RUNS, tmp_path_factory.mktemp("model"), 21000)
 
 
 def _batches(res, role):

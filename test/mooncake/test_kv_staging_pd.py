@@ -42,24 +42,30 @@ RUNS = {
 }
 
 
-def _start(name: str, model: str, room: int) -> subprocess.Popen:
+def start_pair(staging: dict, model: str, room: int) -> subprocess.Popen:
+    """One PD pair (prefill and decode processes) with these staging options."""
     env = dict(os.environ)
     env.pop("SGLANG_DSV41_ALLOW_DRIFT", None)
     env.pop("SGLANG_PLUGINS", None)
     env.update(MOONCAKE_PROTOCOL="tcp", MC_INTRANODE_NVLINK="1", SGLANG_HOST_IP="127.0.0.1")
     cfg = {"model": model, "bootstrap_port": _free_port(), "room": room, "timeout": 400,
-           "staging": RUNS[name]}
+           "staging": staging}
     return subprocess.Popen(
         [sys.executable, str(PAIR), "full", json.dumps(cfg)], env=env, cwd=REPO_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
+def run_pairs(runs: dict, model_dir, first_room: int) -> dict:
+    """Every run's pair in parallel; their results by name."""
+    model = _tiny_model(model_dir)
+    procs = {name: start_pair(opts, model, first_room + 1000 * i) for i, (name, opts) in enumerate(runs.items())}
+    return {name: _collect(p) for name, p in procs.items()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    model = _tiny_model(tmp_path_factory.mktemp("model"))
-    procs = {name: _start(name, model, 11000 + 1000 * i) for i, name in enumerate(RUNS)}
-    return {name: _collect(p) for name, p in procs.items()}
+    return run_pairs(RUNS, tmp_path_factory.mktemp("model"), 11000)
 
 
 def _batches(res, role):
