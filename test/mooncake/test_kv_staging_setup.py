@@ -133,3 +133,66 @@ def test_peer_mode_exports_the_registered_regions_and_allocates_nothing(monkeypa
     assert kv_staging.state_of(decode).pool is None
     assert kv_staging.state_of(prefill).exported is None and kv_staging.state_of(prefill).buffers is None
     assert kv_staging.state_of(prefill).config.min_blocks == 8
+
+
+def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_retried(monkeypatch):
+    """A restarted decode registers again under the same session with new handles."""
+    from sglang_dsv41.core.batch_copy import HostBatchCopy
+    from sglang_dsv41.core.peer_copy import PeerMap, PeerMapError, PeerRegion, PeerTarget, host_identity
+
+    class Recording:
+        kind = "host-cma"
+
+        def __init__(self):
+            self.opened, self.closed, self.writes = [], [], 0
+
+        def open(self, peer):
+            if peer.regions[0].handle == b"bad".ljust(64, b"\0"):
+                self.opened.append("refused")
+                raise PeerMapError("cannot open")
+            self.opened.append(peer.regions[0].handle[:3])
+            return PeerTarget(peer, [0xA0000], self, [peer.regions[0].handle])
+
+        def write(self, target, srcs, dsts, lengths):
+            self.writes += 1
+
+        def close(self, opened):
+            self.closed.append(opened[0][:3])
+
+    def peer_map(tag: bytes):
+        return PeerMap("host-cma", host_identity(), (PeerRegion(0x10000, 0x1000, 0, tag.ljust(64, b"\0")),))
+
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_MIN_BLOCKS", "1")
+    transport = Recording()
+    kv_staging.set_batch_copy(HostBatchCopy())
+    kv_staging.set_peer_transport(transport)
+    try:
+        manager = _manager("prefill")
+        kv_staging.staging_region(manager)
+    finally:
+        kv_staging.set_peer_transport(None)
+    info = SimpleNamespace()
+    manager.decode_kv_args_table = {"decode:1": info}
+    blocks = [(0x500, 0x10000, 16)]
+    direct = []
+
+    def write(b):
+        direct.append(b)
+        return 0
+
+    def send():
+        return kv_staging.send_device_batch(manager, "decode:1", blocks, write, None)
+
+    info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"one")
+    assert send() == 0 and send() == 0
+    assert transport.opened == [b"one"] and transport.writes == 2  # opened once, used twice
+    info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"two")  # the decode restarted
+    assert send() == 0
+    assert transport.opened == [b"one", b"two"] and transport.closed == [b"one"]
+    info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"bad")
+    assert send() == 0 and send() == 0
+    assert transport.opened == [b"one", b"two", "refused"]  # not retried for every batch
+    assert transport.closed == [b"one", b"two"] and direct == [blocks, blocks]
+    del info.__dict__[kv_staging.PEER_MAP_ATTR]  # a decode without peer writes
+    assert send() == 0 and direct == [blocks] * 3
