@@ -1,0 +1,118 @@
+"""Where a KV peer write's time goes, per call (one GPU, two processes).
+
+A spawned "decode" process exports eight 64 MiB regions over CUDA IPC, as the
+decode side does with ``SGLANG_DSV41_KV_STAGING=peer``. This process opens
+them and times, for transfer batches shaped like a DeepSeek-V4.1 request's
+(few large blocks to a thousand 32 KiB ones), each step of
+``core.peer_copy.send_peer_batch``: turning the engine's block list into
+arrays, translating the destinations into the mapping, the batched copy
+(launch-table upload, kernel, synchronize), and the whole call. Medians of
+``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
+
+    PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+REGIONS = 8
+REGION_BYTES = 64 << 20
+SHAPES = ((1, 64 << 10), (27, 480 << 10), (54, 240 << 10), (302, 42 << 10), (1068, 32 << 10))
+
+
+def _decode_side(conn) -> None:
+    import torch
+
+    from sglang_dsv41.core.batch_copy import batch_copy_for
+    from sglang_dsv41.core.peer_copy import CudaIpcTransport, encode_peer_map
+
+    pool = torch.zeros(REGIONS * REGION_BYTES, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    transport = CudaIpcTransport(batch_copy_for(0), 0)
+    regions = [(pool.data_ptr() + k * REGION_BYTES, REGION_BYTES) for k in range(REGIONS)]
+    conn.send(encode_peer_map(transport.export(regions)))
+    conn.recv()
+
+
+def _median_us(fn, iters: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--iters", type=int, default=200)
+    args = p.parse_args()
+    if args.runs < 1 or args.iters < 1:
+        print("peer_write_costs: --runs and --iters must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"peer_write_costs: needs torch with CUDA ({exc})", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("peer_write_costs: no CUDA device", file=sys.stderr)
+        return 2
+    from sglang_dsv41.core.batch_copy import batch_copy_for
+    from sglang_dsv41.core.peer_copy import CudaIpcTransport, as_triples, find_peer_map, send_peer_batch
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_decode_side, args=(child_conn,), daemon=True)
+    child.start()
+    if not conn.poll(120):
+        print("peer_write_costs: the decode process did not export its regions", file=sys.stderr)
+        return 1
+    peer = find_peer_map(conn.recv())
+    copier = batch_copy_for(0)
+    target = CudaIpcTransport(copier, 0).open(peer)
+    src = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8, device="cuda:0")
+    rng = np.random.default_rng(2)
+    steps = ("to arrays", "translate", "batched copy", "whole call")
+    results: dict[tuple[int, int], list[list[float]]] = {}
+    for run in range(args.runs):
+        print(f"run {run + 1} of {args.runs} (us, median of {args.iters} calls)")
+        print(f"  {'batch':>16} " + " ".join(f"{s:>13}" for s in steps))
+        for n, size in SHAPES:
+            slots = rng.permutation(REGIONS * (REGION_BYTES // size))[:n]
+            blocks = []
+            for i, slot in enumerate(slots):  # distinct destination pages spread over the regions
+                region, page = divmod(int(slot), REGION_BYTES // size)
+                blocks.append((src.data_ptr() + i * size, peer.regions[region].ptr + page * size, size))
+            srcs, dsts, lengths = as_triples(blocks)
+            local, _ = target.translate(dsts, lengths)
+            row = [
+                _median_us(lambda: as_triples(blocks), args.iters),
+                _median_us(lambda: target.translate(dsts, lengths), args.iters),
+                _median_us(lambda: copier.copy(srcs, local, lengths), args.iters),
+                _median_us(lambda: send_peer_batch(blocks, target, 1, None), args.iters),
+            ]
+            results.setdefault((n, size), []).append(row)
+            print(f"  {n:>5} x {size >> 10:>4} KiB " + " ".join(f"{v:>13.1f}" for v in row))
+    print(f"\nover {args.runs} runs: min - max (us)")
+    print(f"  {'batch':>16} " + " ".join(f"{s:>13}" for s in steps))
+    for (n, size), rows in results.items():
+        cells = [f"{min(c):.0f}-{max(c):.0f}" for c in zip(*rows)]
+        print(f"  {n:>5} x {size >> 10:>4} KiB " + " ".join(f"{c:>13}" for c in cells))
+    target.retire()
+    conn.send("stop")
+    child.join(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
