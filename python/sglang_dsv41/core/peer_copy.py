@@ -244,7 +244,10 @@ class CudaIpcTransport:
 
         self.copier = copier
         self.device = device
-        self._rt = _CudaRuntime.find(loaded_only=False)
+        try:  # torch's own runtime first: the same current device and context as its kernels
+            self._rt = _CudaRuntime.find(loaded_only=True)
+        except BatchCopyError:
+            self._rt = _CudaRuntime.find(loaded_only=False)
         lib = self._rt.lib
         vp, ci = ctypes.c_void_p, ctypes.c_int
         lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), vp]

@@ -338,6 +338,11 @@ def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optiona
             known[1].retire()  # the decode registered again (restarted): drop its old mappings
         try:
             target = state.transport.open(peer)
+            logger.info(
+                "[sglang-dsv41] KV peer writes: mapped decode session %s (%d regions in %d "
+                "allocations, %s)%s", session_id, len(peer.regions), len(peer.handles), peer.kind,
+                "; its previous mapping is released once idle" if known is not None else "",
+            )
         except (PeerMapError, OSError) as exc:
             logger.error(
                 "[sglang-dsv41] KV peer writes: cannot map decode session %s (%s): %s; its batches "
