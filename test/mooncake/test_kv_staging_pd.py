@@ -68,25 +68,30 @@ def runs(tmp_path_factory):
     return run_pairs(RUNS, tmp_path_factory.mktemp("model"), 11000)
 
 
-def _batches(res, role):
+def batches(res, role):
     return res[role]["plugin_metrics"].get("kv_staging_batches", {})
 
 
-def test_staged_transfer_is_byte_exact_and_scattered_before_status(runs):
-    r = runs["staged"]
+
+def assert_exact_and_in_place_at_status(r):
+    """Both rooms succeed byte-exact, and every KV byte is in place at the Success status."""
     for room in ("A", "B"):
         assert r["prefill"][f"status_{room}"] == "success"
         assert r["decode"][f"status_{room}"] == "success"
         assert r["decode"][f"mismatch_{room}"] == []
-    # At the Success status every staged KV byte has been scattered. Room B is
-    # the harness's negative control: its host-block frames are held back until
-    # after the status, and the snapshot sees exactly those missing.
+    # Room B is the harness's negative control: its host-block frames are held
+    # back until after the status, and the snapshot sees exactly those missing.
     assert r["decode"]["mismatch_at_status_A"] == []
     assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "state1"]
     assert r["decode"]["stray_writes"] == []
+
+
+def test_staged_transfer_is_byte_exact_and_scattered_before_status(runs):
+    assert_exact_and_in_place_at_status(runs["staged"])
+    r = runs["staged"]
     # Both rooms' KV batches went through the slot; the state batches have one
     # device block each (below MIN_BLOCKS 2) and went direct.
-    assert _batches(r, "prefill") == {"staged": 2, "few_blocks": 2}
+    assert batches(r, "prefill") == {"staged": 2, "few_blocks": 2}
     assert r["decode"]["scattered"] == 2
     assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"granted": 1}
 
@@ -120,7 +125,7 @@ def test_exhausted_pool_falls_back_to_the_direct_path_and_counts_it(runs):
         assert r["prefill"][f"status_{room}"] == "success"
         assert r["decode"][f"mismatch_{room}"] == []
     # KV batches: no grant; the one-block state batches: below MIN_BLOCKS, counted first
-    assert _batches(r, "prefill") == {"no_grant": 2, "few_blocks": 2}
+    assert batches(r, "prefill") == {"no_grant": 2, "few_blocks": 2}
     assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"pool_full": 1}
     assert r["decode"]["scattered"] == 0
 
@@ -132,4 +137,4 @@ def test_a_failed_scatter_fails_that_request_only_after_the_earlier_one_complete
     assert r["prefill"]["status_B"] == "failed"
     assert r["decode"]["status_B"] == "failed"
     assert r["decode"]["scattered"] == 2 and r["decode"]["scatter_refused"] == 1
-    assert _batches(r, "prefill") == {"staged": 2, "failed": 1}
+    assert batches(r, "prefill") == {"staged": 2, "failed": 1}

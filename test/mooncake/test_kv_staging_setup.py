@@ -49,7 +49,11 @@ def test_no_usable_gpu_copy_stops_the_manager_naming_the_setting(monkeypatch):
     assert "SGLANG_DSV41_KV_STAGING=1 but the decode side cannot set up its staging memory" in str(exc.value)
 
 
-def test_a_copy_without_triton_is_refused(monkeypatch):
+@pytest.mark.parametrize("switch, refusal", [
+    ("1", "needs Triton.*triton does not import"),
+    ("peer", "=peer but the prefill side cannot set up peer writes.*Triton"),
+])
+def test_a_copy_without_triton_is_refused(monkeypatch, switch, refusal):
     import sglang_dsv41.core.batch_copy as batch_copy
 
     class PerEntry(HostBatchCopy):
@@ -57,8 +61,8 @@ def test_a_copy_without_triton_is_refused(monkeypatch):
         fallback_reason = "triton does not import"
 
     monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
-    with pytest.raises(RuntimeError, match="needs Triton.*triton does not import"):
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", switch)
+    with pytest.raises(RuntimeError, match=refusal):
         kv_staging.staging_region(_manager("prefill"))
 
 
@@ -101,19 +105,6 @@ def test_peer_mode_stops_a_decode_whose_memory_cannot_be_exported(monkeypatch):
         kv_staging.set_peer_transport(None)
     assert "SGLANG_DSV41_KV_STAGING=peer but the decode side cannot set up peer writes" in str(exc.value)
     assert "invalid argument" in str(exc.value)
-
-
-def test_peer_mode_without_triton_stops_the_prefill(monkeypatch):
-    import sglang_dsv41.core.batch_copy as batch_copy
-
-    class PerEntry(HostBatchCopy):
-        backend = "memcpy-async"
-        fallback_reason = "triton does not import"
-
-    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
-    with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
-        kv_staging.staging_region(_manager("prefill"))
 
 
 def test_peer_mode_exports_the_registered_regions_and_allocates_nothing(monkeypatch):
