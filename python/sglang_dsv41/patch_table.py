@@ -408,6 +408,25 @@ PATCHES: tuple[Patch, ...] = (
         upstream=None,
         remove_when="with MC-KVS-GRANT-SEND",
     ),
+    Patch(
+        id="MC-KVS-PAGES",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_kvcache_generic",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_send_kvcache_generic",
+        roles=roles(Role.SCHEDULER),
+        reason="KV peer writes (SGLANG_DSV41_KV_STAGING=peer), prefill side: the KV and "
+        "generic state sends of a request arrive here as page lists, before upstream turns "
+        "them into one block per page run and buffer. The call's buffer pairing is learnt "
+        "from upstream itself (a dry run for one page, which MC-NVL-TRANSFER keeps from the "
+        "engine) and the pages go as one peer write built from the lists, with no block list. "
+        "Calls it does not cover run upstream's code unchanged. A no-op in other modes.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(self, mooncake_session_id: str, src_data_ptrs: list[int], dst_data_ptrs: list[int], item_lens: list[int], prefill_data_indices: npt.NDArray[np.int32], dst_data_indices: npt.NDArray[np.int32], executor: concurrent.futures.ThreadPoolExecutor, state_type: Optional[StateType]=None, force_flat: bool=False, src_layer_ids: Optional[List[int]]=None, dst_layer_ids: Optional[List[int]]=None, dst_device_data_indices: Optional[npt.NDArray[np.int32]]=None, dst_device_data_ptrs: Optional[set[int]]=None, dst_item_lens: list[int] | None=None, bootstrap_room: Optional[int]=None)",
+        ast_sha="2ab0979787864fc9",
+        upstream=None,
+        remove_when="with MC-KVS-GRANT-SEND",
+    ),
     # === mooncake-nvlink entries above this line ===
     # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
     Patch(

@@ -88,14 +88,16 @@ STATE_ITEM = [96, 160]  # one MAMBA component, two per-layer entries
 STATE_SLOTS = 4
 ROOMS = {
     # room: (src pages, dst pages, src aux, dst aux, src state, dst state, reorder host frames)
-    "A": (CFG["room"], [3, 4, 5, 9, 10], [0, 1, 2, 12, 7], 2, 5, 1, 3, False),
+    # (destination page 0 is nobody's: a write meant for no room shows as a stray write)
+    "A": (CFG["room"], [3, 4, 5, 9, 10], [8, 1, 2, 12, 7], 2, 5, 1, 3, False),
     "B": (CFG["room"] + 1, [1, 14], [5, 6], 6, 1, 2, 0, True),
 }
 BOOTSTRAP = f"127.0.0.1:{CFG['bootstrap_port']}"
 # KV staging runs: {"env": {...}, "fail_scatter_at": n (decode copy call), "prelease": k
 # (slots leased to made-up peers before registration, to exhaust the pool),
 # "fail_peer_write_at": n (prefill peer write), "foreign_host": true (the decode
-# exports its peer map under another host's identity)}
+# exports its peer map under another host's identity), "host_kv_entry": i (KV
+# buffer i is host memory on both sides)}
 STAGING = CFG.get("staging")
 
 
@@ -153,9 +155,12 @@ class Side:
         self.state = [alloc(STATE_SLOTS * n, 30 + i) for i, n in enumerate(STATE_ITEM)]
         # Stand-in for hardware: KV pools and state entry 0 are "device" memory,
         # aux buffers and state entry 1 are host memory.
-        self.device_regions = [(p, PAGES * KV_ITEM) for _, p in self.kv]
+        host_kv = (STAGING or {}).get("host_kv_entry")  # one KV buffer in host memory, both sides
+        self.device_regions = [(p, PAGES * KV_ITEM) for i, (_, p) in enumerate(self.kv) if i != host_kv]
         self.device_regions.append((self.state[0][1], STATE_SLOTS * STATE_ITEM[0]))
         self.host_regions = [(p, AUX_SLOTS * n) for (_, p), n in zip(self.aux, AUX_ITEMS)]
+        if host_kv is not None:
+            self.host_regions.append((self.kv[host_kv][1], PAGES * KV_ITEM))
         self.host_regions.append((self.state[1][1], STATE_SLOTS * STATE_ITEM[1]))
         if PLUGIN != "none":
             from sglang_dsv41.hooks import mooncake_nvlink

@@ -6,12 +6,17 @@ buffers in host memory whose "device" classification is injected. Without a
 GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
 decode process): the same registration, map, translation and write path the
 CUDA IPC transport takes. Three runs in parallel:
-- peer: the KV batches land as peer writes, byte-exact, and the decode
-  buffers already hold every byte when the Success status is applied;
-- failing: the third peer write fails (room B's KV batch, after room A
+- peer: each KV send goes as one peer write built from its page lists
+  (upstream's call learnt by a dry run that reaches no engine), byte-exact,
+  and the decode buffers already hold every byte when the Success status is
+  applied; nothing lands outside the rooms' pages;
+- failing: the third peer write fails (room B's KV send, after room A
   completed): room B fails on both sides, room A stays byte-exact;
 - foreign: the decode's map claims another host: the prefill refuses to open
-  it and every batch takes the direct path, counted, byte-exact.
+  it and every batch takes the direct path, counted, byte-exact;
+- host entry: one KV buffer is host memory, so the page path steps aside and
+  upstream's block list is routed: the device blocks as a peer write, the
+  host ones as frames on the ordered channel, byte-exact.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ RUNS = {
     # writes are room A KV, room A state, room B KV (fails).
     "failing": {"env": {**PEER, "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "1"}, "fail_peer_write_at": 3},
     "foreign": {"env": PEER, "foreign_host": True},
+    "host_entry": {"env": PEER, "host_kv_entry": 1},
 }
 
 
@@ -65,8 +71,9 @@ def runs(tmp_path_factory):
 def test_peer_writes_are_byte_exact_and_land_before_status(runs):
     assert_exact_and_in_place_at_status(runs["peer"])
     r = runs["peer"]
-    # KV batches as peer writes; the one-block state batches below MIN_BLOCKS went direct.
-    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    # Each KV send as one peer write from its page lists; the one-block state
+    # batches below MIN_BLOCKS went direct.
+    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
     assert r["prefill"]["peer_writes"] == 2
     assert r["prefill"]["open_peer_maps"] == 1
     assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"peer_map": 1}
@@ -88,7 +95,8 @@ def test_a_failed_peer_write_fails_that_request_only(runs):
     assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
     assert r["prefill"]["status_B"] == "failed"
     assert r["decode"]["status_B"] == "failed"
-    assert _batches(r, "prefill") == {"peer": 2, "failed": 1}
+    # room A's KV from its pages, room A's one-block state through the block path, room B's KV fails
+    assert _batches(r, "prefill") == {"peer_pages": 1, "peer": 1, "failed": 1}
 
 
 def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
@@ -98,3 +106,16 @@ def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
         assert r["decode"][f"mismatch_{room}"] == []
     assert _batches(r, "prefill") == {"peer_map_unusable": 2, "few_blocks": 2}
     assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
+
+
+def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
+    r = runs["host_entry"]
+    for room in ("A", "B"):
+        assert r["prefill"][f"status_{room}"] == "success" and r["decode"][f"status_{room}"] == "success"
+        assert r["decode"][f"mismatch_{room}"] == []
+    assert r["decode"]["mismatch_at_status_A"] == []
+    # room B's host frames (its kv1 pages among them) are the harness's held-back negative control
+    assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "kv1", "state1"]
+    assert r["decode"]["stray_writes"] == []
+    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    assert r["decode"]["host_messages_written"] >= 2

@@ -20,6 +20,7 @@ from sglang_dsv41.core.peer_copy import (
     HANDLE_BYTES,
     PEER_MAP_TAG,
     HostCmaTransport,
+    PagedLayout,
     PeerMap,
     PeerMapError,
     PeerRegion,
@@ -27,6 +28,8 @@ from sglang_dsv41.core.peer_copy import (
     encode_peer_map,
     find_peer_map,
     host_identity,
+    page_runs,
+    send_paged_batch,
     send_peer_batch,
 )
 
@@ -147,6 +150,101 @@ def test_retire_waits_for_the_batch_in_flight_and_then_refuses_new_ones():
     assert out.fallback == FALLBACK_NO_PEER_MAP and rec.writes == []
 
 
+# --- one call from page lists
+
+
+@pytest.mark.parametrize("src,dst,runs", [
+    ([4, 5, 6], [9, 10, 11], [(4, 9, 3)]),
+    ([4, 5, 6], [9, 10, 12], [(4, 9, 2), (6, 12, 1)]),  # the destination breaks the run
+    ([0, 2, 4], [1, 3, 5], [(0, 1, 1), (2, 3, 1), (4, 5, 1)]),
+    ([7, 6], [1, 2], [(7, 1, 1), (6, 2, 1)]),  # going down is not a run
+    ([3], [0], [(3, 0, 1)]),
+])
+def test_page_runs_continue_only_while_both_sides_go_up_by_one(src, dst, runs):
+    got = page_runs(np.array(src, dtype=np.int32), dst)
+    assert list(zip(*got)) == runs
+    # long lists take the NumPy way: the same runs, shifted past the short-list limit
+    pad = 1000
+    long_src = list(range(pad, pad + 200)) + [pad + 500 + s for s in src]
+    long_dst = list(range(pad, pad + 200)) + [pad + 900 + d for d in dst]
+    got = page_runs(np.array(long_src, dtype=np.int64), np.array(long_dst, dtype=np.int32))
+    assert isinstance(got[0], np.ndarray)
+    assert [tuple(map(int, r)) for r in zip(*got)] == [(pad, pad, 200)] + [
+        (pad + 500 + s, pad + 900 + d, n) for s, d, n in runs]
+
+
+@pytest.mark.parametrize("src,dst", [([1, 2], [1]), ([], []), ([-1, 2], [3, 4]), ([1.0], [2.0]),
+                                     ([[1, 2]], [[3, 4]])])
+def test_page_lists_that_describe_no_transfer_are_refused(src, dst):
+    assert page_runs(np.array(src), np.array(dst)) is None
+    assert page_runs(np.array(src * 100), np.array(dst * 100)) is None  # the NumPy way too
+
+
+def _reference_blocks(layout_entries, src_pages, dst_pages):
+    """The block list one page run and buffer at a time, as the engine would get it."""
+    blocks = []
+    for s_base, d_base, item in layout_entries:
+        run = None
+        for s, d in zip(src_pages, dst_pages):
+            if run and s == run[0] + run[2] and d == run[1] + run[2]:
+                run[2] += 1
+                continue
+            if run:
+                blocks.append((s_base + run[0] * item, d_base + run[1] * item, run[2] * item))
+            run = [s, d, 1]
+        blocks.append((s_base + run[0] * item, d_base + run[1] * item, run[2] * item))
+    return blocks
+
+
+@pytest.mark.parametrize("repeat", [1, 40], ids=["short", "long"])
+def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
+    rec = _Recorder()
+    # two peer regions, mapped elsewhere here; three entries of different page sizes
+    peer = _map((0x1000000, 0x100000, 0), (0x2000000, 0x200000, 0))
+    target = PeerTarget(peer, [0x7000000, 0x9000000], rec, [])
+    entries = [(0x50000, 0x1000000, 0x100), (0x60000, 0x2000000, 0x200), (0x70000, 0x2100000, 0x80)]
+    # runs, a broken run, then (long) the same shape again above page 30
+    src = [3, 4, 5, 9, 10] + [31 + 3 * i for i in range(6 * (repeat - 1))] + [30]
+    dst = [8, 9, 10, 2, 40] + [45 + i for i in range(6 * (repeat - 1))] + [41]
+    seen = []
+
+    def on_device(starts, lengths):
+        seen.append(list(zip(starts, lengths)))
+        return True
+
+    out = send_paged_batch(PagedLayout.of(entries), np.array(src), np.array(dst), target, 1, on_device)
+    expected = _reference_blocks(entries, src, dst)
+    assert out == type(out)(0, None, sum(n for *_, n in expected))
+    (srcs, dsts, lengths), = rec.writes
+    local = {0x1000000: 0x7000000, 0x2000000: 0x9000000}
+    translated = [(s, d - base + local[base], n) for s, d, n in expected
+                  for base in [0x2000000 if d >= 0x2000000 else 0x1000000]]
+    assert list(zip(srcs, dsts, lengths)) == translated
+    # one source span per entry, lowest to highest page
+    pages = max(src) + 1 - 3
+    assert seen == [[(0x50000 + 3 * 0x100, pages * 0x100), (0x60000 + 3 * 0x200, pages * 0x200),
+                     (0x70000 + 3 * 0x80, pages * 0x80)]]
+
+
+def test_a_paged_call_that_does_not_qualify_writes_nothing_and_says_why():
+    rec = _Recorder()
+    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    layout = PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)])
+    pages = np.array([1, 3, 5])
+    yes = lambda starts, lengths: True  # noqa: E731
+    assert send_paged_batch(layout, pages, pages, target, 7, yes).fallback == "few_blocks"  # 2 x 3 blocks
+    assert send_paged_batch(layout, pages, pages, target, 1, lambda s, n: False).fallback == "source_not_device"
+    # the second entry's page 0xc0 ends past the region's end (the first entry's does not)
+    far = np.array([1, 3, 0xC0])
+    assert send_paged_batch(layout, pages, far, target, 1, yes).fallback == FALLBACK_OUTSIDE_PEER_MAP
+    assert send_paged_batch(layout, pages, pages[:2], target, 1, yes).fallback == "not_pages"
+    assert rec.writes == []
+    assert send_paged_batch(layout, pages, pages, target, 6, yes).rc == 0
+    target.retire()
+    assert send_paged_batch(layout, pages, pages, target, 1, yes).fallback == FALLBACK_NO_PEER_MAP
+    assert len(rec.writes) == 1
+
+
 # --- the host transport, against a real second process
 
 
@@ -192,6 +290,30 @@ def test_host_transport_writes_another_process_byte_exact(owner):
     assert transport.open_mappings == 1
     target.retire()
     assert transport.open_mappings == 0
+
+
+def test_a_paged_call_writes_another_process_byte_exact(owner):
+    conn, peer = owner
+    transport = HostCmaTransport()
+    target = transport.open(peer)
+    item, pages = 4096, 128  # each of the two regions is one buffer of 128 pages
+    rng = np.random.default_rng(7)
+    payload = rng.integers(0, 256, 2 * pages * item, dtype=np.uint8)
+    src_base = payload.ctypes.data
+    entries = [(src_base + k * pages * item, peer.regions[k].ptr, item) for k in range(2)]
+    src_pages = rng.permutation(pages)[:90]
+    dst_pages = np.concatenate((np.arange(10, 50), rng.permutation(np.arange(60, pages))[:50]))
+    out = send_paged_batch(PagedLayout.of(entries), src_pages, dst_pages, target, 1, lambda s, n: True)
+    assert out.rc == 0 and out.nbytes == 2 * 90 * item
+    conn.send("read")
+    image = np.frombuffer(conn.recv(), dtype=np.uint8)
+    expect = np.zeros(1 << 20, dtype=np.uint8)
+    for k in range(2):
+        for s, d in zip(src_pages, dst_pages):
+            at = k * pages * item
+            expect[at + d * item:at + (d + 1) * item] = payload[at + s * item:at + (s + 1) * item]
+    assert np.array_equal(image, expect)
+    target.retire()
 
 
 def test_host_transport_refuses_a_foreign_host_and_its_own_process(owner):

@@ -173,6 +173,14 @@ class KindTable:
             return self._fallback(ptr)
         return self._kinds[j]
 
+    def spans_on_device(self, starts: Iterable[int], lengths: Iterable[int]) -> bool:
+        """True when each span lies whole inside one region registered as device memory."""
+        for start, length in zip(starts, lengths):
+            j = self._table.index_containing(int(start), int(length))
+            if j is None or self._kinds[j] is not MemoryKind.DEVICE:
+                return False
+        return True
+
     def split(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[Block]]:
         """Like ``split_by_source``, tuned for the hot path.
 

@@ -36,6 +36,7 @@ Nothing here imports sglang.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import itertools
@@ -160,6 +161,10 @@ class PeerTarget:
         self._starts = np.array([peer.regions[i].ptr for i in order], dtype=np.uint64)
         self._ends = np.array([peer.regions[i].ptr + peer.regions[i].length for i in order], dtype=np.uint64)
         self._mapped = np.array([mapped_starts[i] for i in order], dtype=np.uint64)
+        # The same table as Python ints, for a handful of spans (NumPy's per-call cost dominates there).
+        self._start_list = self._starts.tolist()
+        self._end_list = self._ends.tolist()
+        self._mapped_list = self._mapped.tolist()
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False
@@ -175,6 +180,13 @@ class PeerTarget:
         if not ok.all():
             return None, int(np.argmin(ok))
         return dsts - self._starts[safe] + self._mapped[safe], None
+
+    def translate_span(self, dst: int, length: int) -> Optional[int]:
+        """The local address of one span inside one region, or None."""
+        k = bisect.bisect_right(self._start_list, dst) - 1
+        if k < 0 or length < 0 or dst + length > self._end_list[k]:
+            return None
+        return dst - self._start_list[k] + self._mapped_list[k]
 
     def acquire(self) -> bool:
         with self._lock:
@@ -495,6 +507,143 @@ def send_peer_batch(blocks, target: Optional[PeerTarget], min_blocks: int, write
         return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
     try:
         target.transport.write(target, srcs, local, lengths)
+    finally:
+        target.release()
+    return PeerOutcome(0, None, int(lengths.sum()))
+
+
+# --- prefill: one call from page lists --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where a transfer call's pages live: per entry (buffer or layer), the page-0
+    address on each side and the bytes per page. With entry (S, D, L), page
+    ``p`` is ``S + p * L`` here and goes to ``D + q * L`` on the peer, for each
+    (p, q) pair of the call.
+    """
+
+    entries: tuple[tuple[int, int, int], ...]  # (src page 0, dst page 0, bytes per page)
+
+    @classmethod
+    def of(cls, entries: Sequence[tuple[int, int, int]]) -> "PagedLayout":
+        return cls(tuple((int(s), int(d), int(n)) for s, d, n in entries))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+# Up to these sizes a Python loop beats NumPy's fixed cost per operation.
+_SMALL_PAGE_LIST = 128
+_SMALL_BLOCK_TABLE = 64
+
+
+def _page_array(pages) -> Optional[np.ndarray]:
+    arr = np.asarray(pages)
+    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
+        return None
+    return arr
+
+
+def page_runs(src_pages, dst_pages) -> Optional[tuple[Sequence[int], Sequence[int], Sequence[int]]]:
+    """(first src pages, first dst pages, page counts) of the runs where both sides go up by one.
+
+    None when the lists cannot describe a transfer (different lengths, empty,
+    not integers, negative pages): the caller leaves such a call to the block
+    path. Python lists for short page lists, int64 arrays for long ones.
+    """
+    p, d = _page_array(src_pages), _page_array(dst_pages)
+    if p is None or d is None or p.shape != d.shape:
+        return None
+    if p.size <= _SMALL_PAGE_LIST:
+        ps, ds = p.tolist(), d.tolist()
+        if min(ps) < 0 or min(ds) < 0:
+            return None
+        first_src, first_dst, counts = [ps[0]], [ds[0]], [1]
+        for i in range(1, len(ps)):
+            if ps[i] == ps[i - 1] + 1 and ds[i] == ds[i - 1] + 1:
+                counts[-1] += 1
+            else:
+                first_src.append(ps[i])
+                first_dst.append(ds[i])
+                counts.append(1)
+        return first_src, first_dst, counts
+    p, d = p.astype(np.int64, copy=False), d.astype(np.int64, copy=False)
+    if min(p.min(), d.min()) < 0:
+        return None
+    breaks = np.flatnonzero((np.diff(p) != 1) | (np.diff(d) != 1))
+    starts = np.empty(breaks.size + 1, dtype=np.int64)
+    starts[0] = 0
+    np.add(breaks, 1, out=starts[1:])
+    return p[starts], d[starts], np.diff(starts, append=p.size)
+
+
+def _extent(first, counts, short: bool) -> tuple[int, int]:
+    """(lowest page, pages from it to the end of the highest run)."""
+    if short:
+        low = min(first)
+        return low, max(f + c for f, c in zip(first, counts)) - low
+    low = int(first.min())
+    return low, int((first + counts).max()) - low
+
+
+# Why a call from page lists was left to the block path (then counted there).
+PAGED_FEW_BLOCKS = "few_blocks"
+PAGED_SOURCE_NOT_DEVICE = "source_not_device"
+PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
+PAGED_NOT_PAGES = "not_pages"
+
+
+def send_paged_batch(layout: PagedLayout, src_pages, dst_pages, target: PeerTarget, min_blocks: int,
+                     on_device) -> PeerOutcome:
+    """One transfer call given as page lists: a peer write of every entry's runs, or why not.
+
+    ``on_device(starts, lengths)`` says whether every source span lies in
+    device memory of this process. No per-block Python beyond short calls:
+    long page lists are handled in NumPy. Checks whole spans, not blocks: each
+    entry's destination pages, lowest to highest, must lie in one exported
+    region, and its source pages in device memory. Returns ``PeerOutcome(rc=0)``
+    after the copy landed; ``fallback`` set (and nothing written) when the call
+    should take the block path; raises when the copy failed (the request's
+    transfer failure).
+    """
+    runs = page_runs(src_pages, dst_pages)
+    if runs is None or not len(layout):
+        return PeerOutcome(-1, PAGED_NOT_PAGES)
+    first_src, first_dst, counts = runs
+    if len(layout) * len(counts) < min_blocks:
+        return PeerOutcome(-1, PAGED_FEW_BLOCKS)
+    short = isinstance(counts, list)  # page_runs' Python lists: stay in Python
+    # Whole spans, lowest page to highest, one per entry and side.
+    lo_src, src_pages_spanned = _extent(first_src, counts, short)
+    lo_dst, dst_pages_spanned = _extent(first_dst, counts, short)
+    entries = layout.entries
+    if not on_device([s + lo_src * n for s, _, n in entries], [src_pages_spanned * n for *_, n in entries]):
+        return PeerOutcome(-1, PAGED_SOURCE_NOT_DEVICE)
+    page0 = []  # each entry's page 0 in the mapping (may lie below 0: only page addresses are real)
+    for _, d, n in entries:
+        local = target.translate_span(d + lo_dst * n, dst_pages_spanned * n)
+        if local is None:
+            return PeerOutcome(-1, PAGED_OUTSIDE_PEER_MAP)
+        page0.append(local - lo_dst * n)
+    # Entry-major blocks: entry k's runs in order, as upstream orders them.
+    if short and len(entries) * len(counts) <= _SMALL_BLOCK_TABLE:
+        runs_ = list(zip(first_src, first_dst, counts))
+        srcs = np.array([s + p * n for s, _, n in entries for p, _, _ in runs_], dtype=np.uint64)
+        dsts = np.array([b + q * e[2] for b, e in zip(page0, entries) for _, q, _ in runs_], dtype=np.uint64)
+        lengths = np.array([c * n for *_, n in entries for *_, c in runs_], dtype=np.uint64)
+    else:
+        if short:
+            first_src, first_dst, counts = (np.array(x, dtype=np.int64) for x in (first_src, first_dst, counts))
+        item = np.array([n for *_, n in entries], dtype=np.int64)[:, None]
+        src0 = np.array([s for s, _, _ in entries], dtype=np.int64)[:, None]
+        srcs = (src0 + first_src * item).ravel().view(np.uint64)
+        dsts = (np.array(page0, dtype=np.int64)[:, None] + first_dst * item).ravel().view(np.uint64)
+        lengths = (counts * item).ravel().view(np.uint64)
+    if not target.acquire():  # retired meanwhile: a newer map replaced it
+        return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
+    try:
+        target.transport.write(target, srcs, dsts, lengths)
     finally:
         target.release()
     return PeerOutcome(0, None, int(lengths.sum()))

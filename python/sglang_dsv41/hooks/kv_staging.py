@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from sglang_dsv41.core import plugin_metrics
 from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
 from sglang_dsv41.core.kv_staging import (
@@ -51,12 +53,14 @@ from sglang_dsv41.core.kv_staging import (
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_PEER_MAP_FAILED,
+    PagedLayout,
     PeerMap,
     PeerMapError,
     PeerTarget,
     PeerTransport,
     encode_peer_map,
     find_peer_map,
+    send_paged_batch,
     send_peer_batch,
 )
 
@@ -98,6 +102,7 @@ class StagingState:
     transport: Optional[PeerTransport] = None  # peer mode, both sides
     exported: Optional[PeerMap] = None  # peer mode, decode
     targets: dict = field(default_factory=dict)  # peer mode, prefill: session -> (PeerMap, target or None)
+    layouts: dict = field(default_factory=dict)  # peer mode, prefill: call kind -> (its inputs, PagedLayout)
 
 
 def state_of(manager) -> Optional[StagingState]:
@@ -407,6 +412,124 @@ def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
     if path == FALLBACK_BUSY:
         logger.debug("KV staging: slot or gather buffer busy for %s; direct path", session_id)
     return outcome.rc
+
+
+# --- prefill: one transfer call from page lists (peer mode) --------------------------------
+
+_capture = threading.local()
+_ONE_PAGE = np.zeros(1, dtype=np.int32)
+
+
+def captured(transfer_blocks) -> bool:
+    """During a layout capture on this thread: keep the blocks, send nothing (True)."""
+    sink = getattr(_capture, "sink", None)
+    if sink is None:
+        return False
+    sink.extend(transfer_blocks)
+    _capture.calls += 1
+    return True
+
+
+def _capture_layout(original, manager, call: dict) -> tuple[int, Optional[list]]:
+    """Run upstream's call for page 0 to page 0 with the engine left out: its (rc, blocks).
+
+    Upstream decides which local buffer pairs with which peer buffer (pipeline
+    stages, layer ids, elided entries, its layout checks); for one page each
+    block it builds is one pair's (page-0 source, page-0 destination, bytes per
+    page). Nothing is transferred: the transfer hook sees the capture first.
+    Blocks None: upstream did not build the one batch this relies on.
+    """
+    sink: list = []
+    _capture.sink, _capture.calls = sink, 0
+    try:
+        rc = original(manager, **{**call, "prefill_data_indices": _ONE_PAGE, "dst_data_indices": _ONE_PAGE})
+        calls = _capture.calls
+    finally:
+        _capture.sink = None
+    return rc, (sink if calls == 1 else None)
+
+
+_MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past it, start over
+
+
+def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[PagedLayout]]:
+    """(rc, the call's layout): learnt once per kind of call, again whenever its inputs change.
+
+    The pairing depends only on the pointer, length and layer-id lists (and the
+    manager's fixed layout), never on the pages, so a call whose lists are
+    equal to the last capture's reuses it; a decode that registers again brings
+    new lists and is captured again. rc != 0: upstream refused the call.
+    """
+    inputs = tuple(None if call[k] is None else tuple(call[k]) for k in (
+        "src_data_ptrs", "dst_data_ptrs", "item_lens", "src_layer_ids", "dst_layer_ids", "dst_item_lens"))
+    key = (call["mooncake_session_id"], call["state_type"], call["force_flat"])
+    known = state.layouts.get(key)
+    if known is not None and known[0] == inputs:
+        return 0, known[1]
+    rc, entries = _capture_layout(original, manager, call)
+    if rc != 0 or not entries:
+        return rc, None
+    layout = PagedLayout.of(entries)
+    with state.lock:
+        if len(state.layouts) >= _MAX_LAYOUTS:
+            state.layouts.clear()
+        state.layouts[key] = (inputs, layout)
+    return 0, layout
+
+
+def _layers_on_executor(manager) -> bool:
+    # Upstream sends layer by layer on its thread pool then: a capture on this thread would not see them.
+    return bool(getattr(manager, "enable_custom_mem_pool", False)) and (
+        getattr(manager, "custom_mem_pool_type", None) != "INTRA_NODE_NVLINK")
+
+
+def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
+                                prefill_data_indices, dst_data_indices, executor, state_type=None,
+                                force_flat=False, src_layer_ids=None, dst_layer_ids=None,
+                                dst_device_data_indices=None, dst_device_data_ptrs=None, dst_item_lens=None,
+                                bootstrap_room=None):
+    """AROUND MooncakeKVManager._send_kvcache_generic: in peer mode, one peer write from the page lists.
+
+    Upstream turns the page lists into one block per page run and buffer (a
+    thousand for a long fragmented request) before the transfer call; here the
+    call's layout is learnt from upstream itself (a dry run for one page), and
+    the pages go as one batched copy built in NumPy. Anything the page path
+    does not cover (another mode, no peer map, separate destination pages per
+    buffer, few blocks, sources outside device memory, destinations outside
+    the map) is upstream's call as it was, through the block path.
+    """
+    call = dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
+                dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
+                dst_data_indices=dst_data_indices, executor=executor, state_type=state_type,
+                force_flat=force_flat, src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids,
+                dst_device_data_indices=dst_device_data_indices, dst_device_data_ptrs=dst_device_data_ptrs,
+                dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
+    state = state_of(self)
+    if state is None or state.transport is None or dst_device_data_indices is not None or _layers_on_executor(self):
+        return original(self, **call)
+    from sglang_dsv41.hooks import mooncake_nvlink
+
+    routing = mooncake_nvlink.routing_state(self)
+    target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
+    if target is None:
+        return original(self, **call)  # the block path counts why
+    rc, layout = _paged_layout(original, self, state, call)
+    if rc != 0:  # upstream refused this call (its layout checks) and has concluded it
+        return rc
+    if layout is None:  # every entry elided, or not upstream's one-batch path: as it was
+        return original(self, **call)
+    try:
+        outcome = send_paged_batch(layout, prefill_data_indices, dst_data_indices, target,
+                                   state.config.min_blocks, routing.kinds.spans_on_device)
+    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
+        plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
+                     mooncake_session_id, type(exc).__name__, exc)
+        return -1
+    if outcome.fallback is not None:
+        return original(self, **call)
+    plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+    return 0
 
 
 # --- decode: one staged-blocks message -----------------------------------------------------

@@ -62,6 +62,7 @@ class _RoutingState:
     reason: str
     memory: MemoryAccess
     router: TransferRouter
+    kinds: KindTable
 
 
 def _gpu_id(manager) -> Optional[int]:
@@ -82,7 +83,7 @@ def _memory_for(manager, *, strict: bool) -> MemoryAccess:
         return HostMemory()
 
 
-def _routing_state(manager) -> Optional[_RoutingState]:
+def routing_state(manager) -> Optional[_RoutingState]:
     state = manager.__dict__.get(_STATE_ATTR)
     return state if isinstance(state, _RoutingState) else None
 
@@ -93,7 +94,7 @@ def after_registerable_regions(result, self):
     if reason is None:
         kv_staging.warn_without_nvlink_intra()
         return None  # keep upstream's list
-    state = _routing_state(self)
+    state = routing_state(self)
     try:
         memory = state.memory if state is not None else _memory_for(self, strict=True)
         plan = plan_registration(list(result), memory.kind_of)
@@ -108,7 +109,7 @@ def after_registerable_regions(result, self):
         # Allocated by the staging copier on this manager's device: engine memory.
         plan.register.append(staging)
     kinds = KindTable(plan.classified, memory.kind_of)
-    self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds, memory))
+    self.__dict__[_STATE_ATTR] = _RoutingState(reason, memory, TransferRouter(kinds, memory), kinds)
     (logger.info if state is None else logger.debug)(
         "[sglang-dsv41] Mooncake intra-node NVLink transport active (%s): registering %d "
         "device regions; %s",
@@ -152,7 +153,9 @@ def _side_channel(manager, session_id: str) -> SideChannel:
 
 def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
     """AROUND MooncakeKVManager._transfer_data: device blocks to the engine, host blocks beside it."""
-    state = _routing_state(self)
+    if kv_staging.captured(transfer_blocks):  # a dry run that only learns a call's layout
+        return 0
+    state = routing_state(self)
     if state is None or not transfer_blocks:
         return original(self, mooncake_session_id, transfer_blocks)
     if not isinstance(transfer_blocks, list):
@@ -191,7 +194,7 @@ def _published_regions(manager) -> RegionTable:
 def _receiver_for(manager) -> HostBlockReceiver:
     receiver = manager.__dict__.get(_RECEIVER_ATTR)
     if receiver is None:
-        state = _routing_state(manager)
+        state = routing_state(manager)
         memory = state.memory if state is not None else _memory_for(manager, strict=False)
         receiver = HostBlockReceiver(_published_regions(manager), memory, logger)
         manager.__dict__[_RECEIVER_ATTR] = receiver
