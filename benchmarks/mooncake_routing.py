@@ -35,7 +35,12 @@ engine pair and buffers, in interleaved rounds:
               handshake; the sender routes, then writes each batch of at least
               --peer-min-blocks device blocks with one batched copy straight
               into the receiver's buffers, smaller batches the direct way
-              (--no-peer leaves it out).
+              (--no-peer leaves it out);
+- pages:      the plugin's page path for peer writes: each send call as sglang
+              makes it (buffers, bytes per page, int32 page arrays) written with
+              ``send_paged_batch``, no block list, no router pass; the call's
+              layout is built beforehand, as the plugin learns it once per kind
+              of call; a call under --peer-min-blocks blocks goes as ``peer``.
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -418,29 +423,38 @@ def merge_consecutive(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int,
 Span = tuple[int, int, int, int]  # (buffer index, src offset, dst offset, length)
 
 
-def dsv41_batches(tokens: int, layout: str, chunk_tokens: int = DSV41_CHUNK_TOKENS) -> list[list[Span]]:
-    """The engine calls of one request: a KV batch per prefill chunk, then the state calls."""
-    batches: list[list[Span]] = []
+PagedCall = tuple[tuple[int, ...], tuple[int, ...], list[int], list[int]]  # (buffers, bytes per page, src pages, dst pages)
+
+
+def dsv41_paged_calls(tokens: int, layout: str, chunk_tokens: int = DSV41_CHUNK_TOKENS) -> list[PagedCall]:
+    """The send calls of one request as sglang makes them: a KV call per prefill chunk, then the state calls."""
+    calls: list[PagedCall] = []
     pages = -(-tokens // DSV41_PAGE_TOKENS)
     src_ids = dsv41_page_ids(layout, pages, _SRC_FIRST_PAGE)
     dst_ids = dsv41_page_ids(layout, pages, _DST_FIRST_PAGE)
     chunk_pages = chunk_tokens // DSV41_PAGE_TOKENS
+    kv = tuple(range(_KV0, _KV0 + len(DSV41_KV_ITEM_BYTES)))
     for start in range(0, pages, chunk_pages):
-        runs = merge_consecutive(src_ids[start:start + chunk_pages], dst_ids[start:start + chunk_pages])
-        batch = []
-        for b, item in enumerate(DSV41_KV_ITEM_BYTES):  # buffer by buffer, as upstream builds it
-            batch += [(_KV0 + b, s * item, d * item, n * item) for s, d, n in runs]
-        batches.append(batch)
+        calls.append((kv, DSV41_KV_ITEM_BYTES, src_ids[start:start + chunk_pages],
+                      dst_ids[start:start + chunk_pages]))
     # Sliding-window state: the window's pages of every layer (ring pages of the
     # SWA pool, unrelated to the KV page ids), then the request-state rows.
     window_first = max(tokens - DSV41_SLIDING_WINDOW, 0) // DSV41_PAGE_TOKENS
     window_pages = max(pages - window_first, 1)
-    swa = merge_consecutive(list(range(1, 1 + window_pages)), list(range(2, 2 + window_pages)))
-    batches.append([(_SWA0 + layer, s * DSV41_SWA_ITEM_BYTES, d * DSV41_SWA_ITEM_BYTES,
-                     n * DSV41_SWA_ITEM_BYTES)
-                    for layer in range(DSV41_SWA_LAYERS) for s, d, n in swa])
-    batches.append([(_REQ0 + k, 1 * item, 2 * item, item)
-                    for k, item in enumerate(DSV41_REQUEST_STATE_ITEM_BYTES)])
+    calls.append((tuple(range(_SWA0, _SWA0 + DSV41_SWA_LAYERS)), (DSV41_SWA_ITEM_BYTES,) * DSV41_SWA_LAYERS,
+                  list(range(1, 1 + window_pages)), list(range(2, 2 + window_pages))))
+    calls.append((tuple(range(_REQ0, _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES))),
+                  DSV41_REQUEST_STATE_ITEM_BYTES, [1], [2]))
+    return calls
+
+
+def dsv41_batches(tokens: int, layout: str, chunk_tokens: int = DSV41_CHUNK_TOKENS) -> list[list[Span]]:
+    """The engine calls of one request: each send call's blocks, buffer by buffer, as upstream builds them."""
+    batches: list[list[Span]] = []
+    for buffers, items, src, dst in dsv41_paged_calls(tokens, layout, chunk_tokens):
+        runs = merge_consecutive(src, dst)
+        batches.append([(b, s * item, d * item, n * item)
+                        for b, item in zip(buffers, items) for s, d, n in runs])
     return batches
 
 
@@ -715,6 +729,28 @@ def run_dsv41_sender(args) -> None:
         def peer_path(blocks):  # as in production: routing first, peer writes for the device blocks
             return router.route(blocks, peer_device, lambda: side)
 
+        import numpy as np
+
+        from sglang_dsv41.core.mooncake_routing import KindTable
+        from sglang_dsv41.core.peer_copy import PagedLayout, send_paged_batch
+
+        kinds = KindTable(plan.classified, memory.kind_of)
+
+        def pages_request(paged):
+            """As the plugin's page path: each send call from its page lists, else its blocks as ``peer``."""
+            def run():
+                for layout_, src_pages, dst_pages, blocks in paged:
+                    out = send_paged_batch(layout_, src_pages, dst_pages, target, args.peer_min_blocks,
+                                           kinds.spans_on_device)
+                    if out.fallback is None:
+                        peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
+                        continue
+                    rc = peer_path(blocks)
+                    if rc != 0:
+                        return rc
+                return 0
+            return run
+
     def request(call, batches):
         def run():
             for blocks in batches:
@@ -738,6 +774,11 @@ def run_dsv41_sender(args) -> None:
             paths["staged"] = request(staged, batches)
         if peer_path is not None:
             paths["peer"] = request(peer_path, batches)
+            # the layouts the plugin learns once per kind of call, and sglang's int32 page arrays
+            paged = [(PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
+                      np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks)
+                     for (bufs, items, sp, dp), blocks in zip(dsv41_paged_calls(tokens, layout), batches)]
+            paths["pages"] = pages_request(paged)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
@@ -776,12 +817,14 @@ def run_dsv41_sender(args) -> None:
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
         moving = ["routed"] + (["staged"] if staged is not None and not args.staging_null_scatter else [])
-        moving += ["peer"] if peer_path is not None else []
+        moving += ["peer", "pages"] if peer_path is not None else []
+        ways_of = {}
         for k in moving:
             channel.send([b"CLEAR"])
             channel.recv()
             peer_counts.clear()
             rc = paths[k]()
+            ways_of[k] = dict(peer_counts)
             channel.send([b"CHECK", json.dumps(all_spans).encode()])
             reply = channel.recv()
             exact = exact and (rc == 0 and int(reply[2]) == nbytes
@@ -802,19 +845,20 @@ def run_dsv41_sender(args) -> None:
             row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
             row["staged_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples["staged"]))
-        if peer_path is not None:
-            row["peer_x_contiguous"] = row["peer_us"] / row["contiguous_us"]
-            row["peer_over_stock"] = statistics.median(
-                s / r for s, r in zip(samples["stock"], samples["peer"]))
-            row["peer_batches"] = dict(peer_counts)  # of the byte-exact request: peer writes, direct ones
+        for k in ("peer", "pages") if peer_path is not None else ():
+            row[f"{k}_x_contiguous"] = row[f"{k}_us"] / row["contiguous_us"]
+            row[f"{k}_over_stock"] = statistics.median(
+                s / r for s, r in zip(samples["stock"], samples[k]))
+            row[f"{k}_batches"] = ways_of[k]  # of the byte-exact request: how each call or batch went
         rows.append(row)
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
             f"routed/stock {row['routed_over_stock']:.3f}"
             + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
                if staged is not None else "")
-            + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous)"
-               if peer_path is not None else "") + f", exact {exact}")
+            + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous), pages "
+               f"{row['pages_us']:.0f} us ({row['pages_x_contiguous']:.1f}x)" if peer_path is not None else "")
+            + f", exact {exact}")
     # The side channel's own round trip, for reading the staged path's ack wait.
     pings = []
     for _ in range(200):
@@ -899,18 +943,26 @@ def print_dsv41(run: dict, title: str) -> None:
         print("send: the whole staging call (gather + write + notify + ack wait + Python); "
               "ack wait includes the receiver's handling; side channel round trip alone: "
               f"{run.get('channel_round_trip_us', float('nan')):.0f} us")
-    if any("peer_us" in r for r in run["rows"]):
-        print(f"\n{'request':>16} {'peer us':>8} {'contig us':>10} {'peer x contig':>14} "
-              f"{'stock x contig':>15} {'stock/peer':>11}  batches")
+    for path in ("peer", "pages"):
+        if not any(f"{path}_us" in r for r in run["rows"]):
+            continue
+        print(f"\n{'request':>16} {path + ' us':>9} {'contig us':>10} {path + ' x contig':>15} "
+              f"{'stock x contig':>15} {'stock/' + path:>12}  ways")
         for r in run["rows"]:
-            ways = ", ".join(f"{k} {v}" for k, v in sorted(r["peer_batches"].items()))
-            print(f"{r['case']:>16} {r['peer_us']:8.0f} {r['contiguous_us']:10.0f} "
-                  f"{r['peer_x_contiguous']:13.1f}x {r['stock_x_contiguous']:14.1f}x "
-                  f"{r['peer_over_stock']:11.2f}  {ways}")
-        print(f"peer: routing, then one batched copy into the receiver's exported buffers per batch of "
-              f">= {run.get('peer_min_blocks', '?')} device blocks, smaller batches direct; batches: how "
-              "one request's device batches went (peer write, or the direct path and why)")
-        print_peer_goals({r["case"]: r["peer_x_contiguous"] for r in run["rows"] if "peer_us" in r})
+            ways = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{path}_batches"].items()))
+            print(f"{r['case']:>16} {r[f'{path}_us']:9.0f} {r['contiguous_us']:10.0f} "
+                  f"{r[f'{path}_x_contiguous']:14.1f}x {r['stock_x_contiguous']:14.1f}x "
+                  f"{r[f'{path}_over_stock']:12.2f}  {ways}")
+        if path == "peer":
+            print(f"peer: routing, then one batched copy into the receiver's exported buffers per batch of "
+                  f">= {run.get('peer_min_blocks', '?')} device blocks, smaller batches direct; ways: how "
+                  "one request's device batches went (peer write, or the direct path and why)")
+        else:
+            print("pages: the plugin's page path: each send call written from its page lists with one "
+                  "batched copy (no block list, no router pass), calls under the threshold as peer; "
+                  "ways: peer_pages per call so written")
+        print_peer_goals({r["case"]: r[f"{path}_x_contiguous"] for r in run["rows"] if f"{path}_us" in r},
+                         path=path)
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
 
@@ -919,11 +971,11 @@ def print_dsv41(run: dict, title: str) -> None:
 PEER_GOALS = (("32k fragmented", 3.0), ("8k contiguous", 2.0))
 
 
-def print_peer_goals(peer_x_contiguous: dict, over: str = "") -> None:
+def print_peer_goals(peer_x_contiguous: dict, over: str = "", path: str = "peer") -> None:
     for case, limit in PEER_GOALS:
         if case in peer_x_contiguous:
             got = peer_x_contiguous[case]
-            print(f"goal: {case} peer within {limit:.0f}x of one contiguous write: {got:.2f}x{over}, "
+            print(f"goal: {case} {path} within {limit:.0f}x of one contiguous write: {got:.2f}x{over}, "
                   f"{'met' if got <= limit else 'NOT met'}")
 
 
@@ -936,7 +988,8 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
                     "stock_us", "routed_us", "contiguous_us", "staged_us", "staged_x_contiguous",
-                    "staged_over_stock", "peer_us", "peer_x_contiguous", "peer_over_stock"):
+                    "staged_over_stock", "peer_us", "peer_x_contiguous", "peer_over_stock",
+                    "pages_us", "pages_x_contiguous", "pages_over_stock"):
             if key not in first:
                 continue
             vals = [r[key] for r in rows]
@@ -1135,15 +1188,17 @@ def main_dsv41(args) -> None:
                 a, b = e["staged_x_contiguous"], e["staged_over_stock"]
                 print(f"{e['case']:>16} {a['median']:10.1f}x [{a['min']:.1f} - {a['max']:.1f}] "
                       f"{b['median']:10.2f} [{b['min']:.2f} - {b['max']:.2f}]")
-        if "peer_x_contiguous" in summary[0]:
-            print(f"\n{'request':>16} {'peer us':>24} {'peer x contiguous':>24} {'stock / peer':>24}")
+        for path in ("peer", "pages"):
+            if f"{path}_x_contiguous" not in summary[0]:
+                continue
+            print(f"\n{'request':>16} {path + ' us':>24} {path + ' x contiguous':>24} {'stock / ' + path:>24}")
             for e in summary:
-                u, a, b = e["peer_us"], e["peer_x_contiguous"], e["peer_over_stock"]
+                u, a, b = e[f"{path}_us"], e[f"{path}_x_contiguous"], e[f"{path}_over_stock"]
                 print(f"{e['case']:>16} {u['median']:9.0f} [{u['min']:.0f} - {u['max']:.0f}] "
                       f"{a['median']:9.2f}x [{a['min']:.2f} - {a['max']:.2f}] "
                       f"{b['median']:9.2f} [{b['min']:.2f} - {b['max']:.2f}]")
-            print_peer_goals({e["case"]: e["peer_x_contiguous"]["median"] for e in summary},
-                             " (median over runs)")
+            print_peer_goals({e["case"]: e[f"{path}_x_contiguous"]["median"] for e in summary},
+                             " (median over runs)", path=path)
     worst = min(e["routed_over_stock"]["median"] for e in summary)
     exact = all(e["byte_exact"] for e in summary)
     print(f"\nworst routed/stock (median over runs): {worst:.3f}; every request byte-exact: {exact}")

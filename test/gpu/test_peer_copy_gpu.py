@@ -27,9 +27,11 @@ from sglang_dsv41.core.batch_copy import batch_copy_for  # noqa: E402
 from sglang_dsv41.core.peer_copy import (  # noqa: E402
     FALLBACK_OUTSIDE_PEER_MAP,
     CudaIpcTransport,
+    PagedLayout,
     PeerMapError,
     encode_peer_map,
     find_peer_map,
+    send_paged_batch,
     send_peer_batch,
 )
 
@@ -115,6 +117,37 @@ def test_fragmented_batch_lands_byte_exact(decode, transport):
     untouched = next((b, p * PAGE) for b in range(BUFFERS) for p in range(pages) if (b, p * PAGE) not in written)
     conn.send(("read", (untouched[0], untouched[1], PAGE)))
     assert conn.recv() == bytes(PAGE)
+    target.retire()
+
+
+@pytest.mark.parametrize("pages_sent", [24, 600], ids=["short", "long"])
+def test_a_paged_call_lands_byte_exact(decode, transport, pages_sent):
+    """One send call from page lists (every buffer, runs and single pages) as one peer write."""
+    conn, frames, _ = decode
+    conn.send(("zero", None))
+    assert conn.recv() == "ok"
+    target = transport.open(find_peer_map(frames))
+    item = [PAGE, PAGE // 2, PAGE // 4, PAGE]  # bytes per page differ between buffers
+    pages = BUFFER_BYTES // PAGE
+    src = torch.randint(0, 256, (BUFFERS * BUFFER_BYTES,), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(11)
+    src_pages = rng.permutation(pages)[:pages_sent].astype(np.int32)
+    src_pages[: pages_sent // 3] = np.arange(5, 5 + pages_sent // 3)  # a run on both sides
+    dst_pages = np.concatenate((np.arange(100, 100 + pages_sent // 3),
+                                rng.permutation(np.arange(pages // 2, pages))[: pages_sent - pages_sent // 3]))
+    entries = [(src.data_ptr() + b * BUFFER_BYTES, target.peer.regions[b].ptr, item[b]) for b in range(BUFFERS)]
+    outcome = send_paged_batch(PagedLayout.of(entries), src_pages, dst_pages.astype(np.int32), target, 8,
+                               lambda starts, lengths: True)
+    assert outcome.rc == 0 and outcome.fallback is None and outcome.nbytes == pages_sent * sum(item)
+    host = src.cpu().numpy()
+    for b in range(BUFFERS):
+        for k in list(range(0, pages_sent, max(1, pages_sent // 16))) + [pages_sent - 1]:
+            s_off = b * BUFFER_BYTES + int(src_pages[k]) * item[b]
+            conn.send(("read", (b, int(dst_pages[k]) * item[b], item[b])))
+            assert conn.recv() == host[s_off:s_off + item[b]].tobytes(), f"buffer {b}, page {k}"
+        conn.send(("read", (b, 99 * item[b], item[b])))  # the page before the run: untouched
+        assert conn.recv() == bytes(item[b])
     target.retire()
 
 

@@ -152,10 +152,13 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
     # blocks as one peer write, only the 3-row request-state call direct.
     assert rows["8k runs of 8"]["peer_batches"] == {"peer": 2, "few_blocks": 1}
     assert rows["state alone"]["peer_batches"] == {"peer": 1, "few_blocks": 1}
+    # The page path: the same calls written from their page lists (byte-exact above).
+    assert rows["8k runs of 8"]["pages_batches"] == {"peer_pages": 2, "few_blocks": 1}
+    assert rows["state alone"]["pages_batches"] == {"peer_pages": 1, "few_blocks": 1}
     assert result["peer_min_blocks"] == 8
     assert result["runs"][0]["memory_backend"] == "InjectedKinds"
     assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
-    assert "stock/peer" in proc.stdout
+    assert "stock/peer" in proc.stdout and "stock/pages" in proc.stdout
 
 
 @pytest.mark.timeout(300)
@@ -167,13 +170,14 @@ def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text())["runs"][0]["rows"][0]
     assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 2}
+    assert row["pages_batches"] == {"few_blocks": 2}
     proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
                       "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["peer_min_blocks"] is None
     assert not any(k.startswith("peer") for k in result["runs"][0]["rows"][0])
-    assert "stock/peer" not in proc.stdout
+    assert "stock/peer" not in proc.stdout and "stock/pages" not in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
