@@ -39,8 +39,9 @@ engine pair and buffers, in interleaved rounds:
 - pages:      the plugin's page path for peer writes: each send call as sglang
               makes it (buffers, bytes per page, int32 page arrays) written with
               ``send_paged_batch``, no block list, no router pass; the call's
-              layout is built beforehand, as the plugin learns it once per kind
-              of call; a call under --peer-min-blocks blocks goes as ``peer``.
+              layout is built and checked beforehand, as the plugin does once
+              per kind of call; a call under --peer-min-blocks blocks goes as
+              ``peer``.
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -732,16 +733,15 @@ def run_dsv41_sender(args) -> None:
         import numpy as np
 
         from sglang_dsv41.core.mooncake_routing import KindTable
-        from sglang_dsv41.core.peer_copy import PagedLayout, send_paged_batch
+        from sglang_dsv41.core.peer_copy import PagedLayout, bind_layout, send_paged_batch
 
         kinds = KindTable(plan.classified, memory.kind_of)
 
         def pages_request(paged):
             """As the plugin's page path: each send call from its page lists, else its blocks as ``peer``."""
             def run():
-                for layout_, src_pages, dst_pages, blocks in paged:
-                    out = send_paged_batch(layout_, src_pages, dst_pages, target, args.peer_min_blocks,
-                                           kinds.spans_on_device)
+                for bound, src_pages, dst_pages, blocks in paged:
+                    out = send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
                     if out.fallback is None:
                         peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
                         continue
@@ -774,10 +774,15 @@ def run_dsv41_sender(args) -> None:
             paths["staged"] = request(staged, batches)
         if peer_path is not None:
             paths["peer"] = request(peer_path, batches)
-            # the layouts the plugin learns once per kind of call, and sglang's int32 page arrays
-            paged = [(PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
-                      np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks)
-                     for (bufs, items, sp, dp), blocks in zip(dsv41_paged_calls(tokens, layout), batches)]
+            # the layouts the plugin learns and checks once per kind of call, and sglang's int32 page arrays
+            paged = []
+            for (bufs, items, sp, dp), blocks in zip(dsv41_paged_calls(tokens, layout), batches):
+                bound, why_not = bind_layout(
+                    PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
+                    target, kinds.device_bytes_from)
+                if bound is None:
+                    raise RuntimeError(f"{name}: the page path cannot serve a call of this request: {why_not}")
+                paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks))
             paths["pages"] = pages_request(paged)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)

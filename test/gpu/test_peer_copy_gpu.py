@@ -29,6 +29,7 @@ from sglang_dsv41.core.peer_copy import (  # noqa: E402
     CudaIpcTransport,
     PagedLayout,
     PeerMapError,
+    bind_layout,
     encode_peer_map,
     find_peer_map,
     send_paged_batch,
@@ -137,8 +138,10 @@ def test_a_paged_call_lands_byte_exact(decode, transport, pages_sent):
     dst_pages = np.concatenate((np.arange(100, 100 + pages_sent // 3),
                                 rng.permutation(np.arange(pages // 2, pages))[: pages_sent - pages_sent // 3]))
     entries = [(src.data_ptr() + b * BUFFER_BYTES, target.peer.regions[b].ptr, item[b]) for b in range(BUFFERS)]
-    outcome = send_paged_batch(PagedLayout.of(entries), src_pages, dst_pages.astype(np.int32), target, 8,
-                               lambda starts, lengths: True)
+    src_end = src.data_ptr() + src.numel()
+    bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: src_end - addr)
+    assert why_not is None
+    outcome = send_paged_batch(bound, src_pages, dst_pages.astype(np.int32), 8)
     assert outcome.rc == 0 and outcome.fallback is None and outcome.nbytes == pages_sent * sum(item)
     host = src.cpu().numpy()
     for b in range(BUFFERS):

@@ -27,6 +27,7 @@ from sglang_dsv41.core.peer_copy import (
     PeerTarget,
     encode_peer_map,
     find_peer_map,
+    bind_layout,
     host_identity,
     page_runs,
     send_paged_batch,
@@ -162,15 +163,17 @@ def test_retire_waits_for_the_batch_in_flight_and_then_refuses_new_ones():
 ])
 def test_page_runs_continue_only_while_both_sides_go_up_by_one(src, dst, runs):
     got = page_runs(np.array(src, dtype=np.int32), dst)
-    assert list(zip(*got)) == runs
+    assert list(zip(got.first_src, got.first_dst, got.counts)) == runs
+    assert (got.src_end, got.dst_end) == (max(src) + 1, max(dst) + 1)
     # long lists take the NumPy way: the same runs, shifted past the short-list limit
     pad = 1000
     long_src = list(range(pad, pad + 200)) + [pad + 500 + s for s in src]
     long_dst = list(range(pad, pad + 200)) + [pad + 900 + d for d in dst]
     got = page_runs(np.array(long_src, dtype=np.int64), np.array(long_dst, dtype=np.int32))
-    assert isinstance(got[0], np.ndarray)
-    assert [tuple(map(int, r)) for r in zip(*got)] == [(pad, pad, 200)] + [
+    assert isinstance(got.counts, np.ndarray)
+    assert [tuple(map(int, r)) for r in zip(got.first_src, got.first_dst, got.counts)] == [(pad, pad, 200)] + [
         (pad + 500 + s, pad + 900 + d, n) for s, d, n in runs]
+    assert (got.src_end, got.dst_end) == (max(long_src) + 1, max(long_dst) + 1)
 
 
 @pytest.mark.parametrize("src,dst", [([1, 2], [1]), ([], []), ([-1, 2], [3, 4]), ([1.0], [2.0]),
@@ -196,6 +199,13 @@ def _reference_blocks(layout_entries, src_pages, dst_pages):
     return blocks
 
 
+def _device(*regions):
+    """device_bytes_from over these (start, length) regions."""
+    def bytes_from(addr):
+        return next((p + n - addr for p, n in regions if p <= addr < p + n), 0)
+    return bytes_from
+
+
 @pytest.mark.parametrize("repeat", [1, 40], ids=["short", "long"])
 def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
     rec = _Recorder()
@@ -203,16 +213,12 @@ def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
     peer = _map((0x1000000, 0x100000, 0), (0x2000000, 0x200000, 0))
     target = PeerTarget(peer, [0x7000000, 0x9000000], rec, [])
     entries = [(0x50000, 0x1000000, 0x100), (0x60000, 0x2000000, 0x200), (0x70000, 0x2100000, 0x80)]
+    bound, why_not = bind_layout(PagedLayout.of(entries), target, _device((0x50000, 0x100000)))
+    assert why_not is None
     # runs, a broken run, then (long) the same shape again above page 30
     src = [3, 4, 5, 9, 10] + [31 + 3 * i for i in range(6 * (repeat - 1))] + [30]
     dst = [8, 9, 10, 2, 40] + [45 + i for i in range(6 * (repeat - 1))] + [41]
-    seen = []
-
-    def on_device(starts, lengths):
-        seen.append(list(zip(starts, lengths)))
-        return True
-
-    out = send_paged_batch(PagedLayout.of(entries), np.array(src), np.array(dst), target, 1, on_device)
+    out = send_paged_batch(bound, np.array(src), np.array(dst), 1)
     expected = _reference_blocks(entries, src, dst)
     assert out == type(out)(0, None, sum(n for *_, n in expected))
     (srcs, dsts, lengths), = rec.writes
@@ -220,29 +226,35 @@ def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
     translated = [(s, d - base + local[base], n) for s, d, n in expected
                   for base in [0x2000000 if d >= 0x2000000 else 0x1000000]]
     assert list(zip(srcs, dsts, lengths)) == translated
-    # one source span per entry, lowest to highest page
-    pages = max(src) + 1 - 3
-    assert seen == [[(0x50000 + 3 * 0x100, pages * 0x100), (0x60000 + 3 * 0x200, pages * 0x200),
-                     (0x70000 + 3 * 0x80, pages * 0x80)]]
 
 
-def test_a_paged_call_that_does_not_qualify_writes_nothing_and_says_why():
+def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
     rec = _Recorder()
     target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    # entry 0: 0x100 pages of 0x100 on both sides; entry 1: 0x40 destination pages (0xC000 left of the region)
     layout = PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)])
+    device = _device((0x50000, 0x10000), (0x60000, 0x10000))
+    bound, _ = bind_layout(layout, target, device)
+    assert (bound.src_pages, bound.dst_pages) == (0x100, 0xC0)
     pages = np.array([1, 3, 5])
-    yes = lambda starts, lengths: True  # noqa: E731
-    assert send_paged_batch(layout, pages, pages, target, 7, yes).fallback == "few_blocks"  # 2 x 3 blocks
-    assert send_paged_batch(layout, pages, pages, target, 1, lambda s, n: False).fallback == "source_not_device"
+    assert send_paged_batch(bound, pages, pages, 7).fallback == "few_blocks"  # 2 x 3 blocks
     # the second entry's page 0xc0 ends past the region's end (the first entry's does not)
-    far = np.array([1, 3, 0xC0])
-    assert send_paged_batch(layout, pages, far, target, 1, yes).fallback == FALLBACK_OUTSIDE_PEER_MAP
-    assert send_paged_batch(layout, pages, pages[:2], target, 1, yes).fallback == "not_pages"
-    assert rec.writes == []
-    assert send_paged_batch(layout, pages, pages, target, 6, yes).rc == 0
-    target.retire()
-    assert send_paged_batch(layout, pages, pages, target, 1, yes).fallback == FALLBACK_NO_PEER_MAP
+    assert send_paged_batch(bound, pages, np.array([1, 3, 0xC0]), 1).fallback == FALLBACK_OUTSIDE_PEER_MAP
+    assert send_paged_batch(bound, pages, np.array([1, 3, 0xBF]), 1).rc == 0
+    assert send_paged_batch(bound, np.array([1, 3, 0x100]), pages, 1).fallback == "source_not_device"
+    assert send_paged_batch(bound, pages, pages[:2], 1).fallback == "not_pages"
     assert len(rec.writes) == 1
+    target.retire()
+    assert send_paged_batch(bound, pages, pages, 1).fallback == FALLBACK_NO_PEER_MAP
+    assert len(rec.writes) == 1
+    # layouts the page path cannot serve at all
+    assert bind_layout(layout, target, _device((0x50000, 0x10000)))[1] == "source_not_device"
+    assert bind_layout(layout, target, _device((0x50000, 0x100)))[1] == "source_not_device"  # not one page
+    outside = PagedLayout.of([(0x50000, 0x110000, 0x100)])
+    assert bind_layout(outside, target, device)[1] == FALLBACK_OUTSIDE_PEER_MAP
+    last_bytes = PagedLayout.of([(0x50000, 0x10FF80, 0x100)])  # page 0 runs past the region
+    assert bind_layout(last_bytes, target, device)[1] == FALLBACK_OUTSIDE_PEER_MAP
+    assert bind_layout(PagedLayout.of([(0x50000, 0x100000, 0)]), target, device)[1] == "not_pages"
 
 
 # --- the host transport, against a real second process
@@ -303,7 +315,8 @@ def test_a_paged_call_writes_another_process_byte_exact(owner):
     entries = [(src_base + k * pages * item, peer.regions[k].ptr, item) for k in range(2)]
     src_pages = rng.permutation(pages)[:90]
     dst_pages = np.concatenate((np.arange(10, 50), rng.permutation(np.arange(60, pages))[:50]))
-    out = send_paged_batch(PagedLayout.of(entries), src_pages, dst_pages, target, 1, lambda s, n: True)
+    bound, _ = bind_layout(PagedLayout.of(entries), target, lambda addr: 1 << 40)
+    out = send_paged_batch(bound, src_pages, dst_pages, 1)
     assert out.rc == 0 and out.nbytes == 2 * 90 * item
     conn.send("read")
     image = np.frombuffer(conn.recv(), dtype=np.uint8)

@@ -173,13 +173,13 @@ class KindTable:
             return self._fallback(ptr)
         return self._kinds[j]
 
-    def spans_on_device(self, starts: Iterable[int], lengths: Iterable[int]) -> bool:
-        """True when each span lies whole inside one region registered as device memory."""
-        for start, length in zip(starts, lengths):
-            j = self._table.index_containing(int(start), int(length))
-            if j is None or self._kinds[j] is not MemoryKind.DEVICE:
-                return False
-        return True
+    def device_bytes_from(self, addr: int) -> int:
+        """Bytes from ``addr`` to the end of the device region holding it; 0 outside device memory."""
+        j = self._table.index_containing(int(addr), 1)
+        if j is None or self._kinds[j] is not MemoryKind.DEVICE:
+            return 0
+        start, length = self._table.regions[j]
+        return start + length - int(addr)
 
     def split(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[Block]]:
         """Like ``split_by_source``, tuned for the hot path.

@@ -161,7 +161,7 @@ class PeerTarget:
         self._starts = np.array([peer.regions[i].ptr for i in order], dtype=np.uint64)
         self._ends = np.array([peer.regions[i].ptr + peer.regions[i].length for i in order], dtype=np.uint64)
         self._mapped = np.array([mapped_starts[i] for i in order], dtype=np.uint64)
-        # The same table as Python ints, for a handful of spans (NumPy's per-call cost dominates there).
+        # The same table as Python ints, for look-ups one address at a time.
         self._start_list = self._starts.tolist()
         self._end_list = self._ends.tolist()
         self._mapped_list = self._mapped.tolist()
@@ -181,12 +181,12 @@ class PeerTarget:
             return None, int(np.argmin(ok))
         return dsts - self._starts[safe] + self._mapped[safe], None
 
-    def translate_span(self, dst: int, length: int) -> Optional[int]:
-        """The local address of one span inside one region, or None."""
+    def locate(self, dst: int) -> Optional[tuple[int, int]]:
+        """(local address of ``dst``, bytes from it to its region's end), or None outside the map."""
         k = bisect.bisect_right(self._start_list, dst) - 1
-        if k < 0 or length < 0 or dst + length > self._end_list[k]:
+        if k < 0 or dst >= self._end_list[k]:
             return None
-        return dst - self._start_list[k] + self._mapped_list[k]
+        return dst - self._start_list[k] + self._mapped_list[k], self._end_list[k] - dst
 
     def acquire(self) -> bool:
         with self._lock:
@@ -533,6 +533,50 @@ class PagedLayout:
         return len(self.entries)
 
 
+@dataclass(frozen=True)
+class BoundLayout:
+    """A layout checked against this process's device memory and one opened peer map.
+
+    Every entry's pages start at page 0 of a buffer, and all entries of a call
+    take the same page numbers, so a call is inside every buffer on both sides
+    exactly when its highest page is below the smallest per-entry page count:
+    one comparison per side and call, whatever the number of entries.
+    """
+
+    target: "PeerTarget"
+    entries: tuple[tuple[int, int, int], ...]  # (src page 0, local address of dst page 0, bytes per page)
+    src_pages: int  # pages every source buffer holds from page 0
+    dst_pages: int  # pages every destination buffer holds from page 0, inside the peer map
+    src0: np.ndarray  # int64 columns (entries x 1) of the above, for long calls
+    dst0: np.ndarray
+    item: np.ndarray
+
+
+def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) -> tuple[Optional[BoundLayout], Optional[str]]:
+    """(bound layout, None), or (None, why the page path cannot serve this layout).
+
+    ``device_bytes_from(addr)``: bytes from ``addr`` to the end of the device
+    region of this process holding it, 0 when it is not device memory.
+    """
+    if not len(layout) or any(n <= 0 for *_, n in layout.entries):
+        return None, PAGED_NOT_PAGES
+    entries, src_pages, dst_pages = [], [], []
+    for s, d, n in layout.entries:
+        room = device_bytes_from(s)
+        if room < n:
+            return None, PAGED_SOURCE_NOT_DEVICE
+        found = target.locate(d)
+        if found is None or found[1] < n:
+            return None, PAGED_OUTSIDE_PEER_MAP
+        entries.append((s, found[0], n))
+        src_pages.append(room // n)
+        dst_pages.append(found[1] // n)
+    column = lambda values: np.array(values, dtype=np.int64)[:, None]  # noqa: E731
+    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages),
+                       column([e[0] for e in entries]), column([e[1] for e in entries]),
+                       column([e[2] for e in entries])), None
+
+
 # Up to these sizes a Python loop beats NumPy's fixed cost per operation.
 _SMALL_PAGE_LIST = 128
 _SMALL_BLOCK_TABLE = 64
@@ -545,12 +589,24 @@ def _page_array(pages) -> Optional[np.ndarray]:
     return arr
 
 
-def page_runs(src_pages, dst_pages) -> Optional[tuple[Sequence[int], Sequence[int], Sequence[int]]]:
-    """(first src pages, first dst pages, page counts) of the runs where both sides go up by one.
+@dataclass(frozen=True)
+class PageRuns:
+    """A call's (src, dst) page pairs as runs where both sides go up by one."""
 
-    None when the lists cannot describe a transfer (different lengths, empty,
-    not integers, negative pages): the caller leaves such a call to the block
-    path. Python lists for short page lists, int64 arrays for long ones.
+    first_src: Sequence[int]  # Python lists for short calls, int64 arrays for long ones
+    first_dst: Sequence[int]
+    counts: Sequence[int]
+    src_end: int  # highest page + 1, per side
+    dst_end: int
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
+def page_runs(src_pages, dst_pages) -> Optional[PageRuns]:
+    """The runs of a call's page lists; None when they cannot describe a transfer
+    (different lengths, empty, not integers, negative pages): the caller leaves
+    such a call to the block path.
     """
     p, d = _page_array(src_pages), _page_array(dst_pages)
     if p is None or d is None or p.shape != d.shape:
@@ -567,7 +623,7 @@ def page_runs(src_pages, dst_pages) -> Optional[tuple[Sequence[int], Sequence[in
                 first_src.append(ps[i])
                 first_dst.append(ds[i])
                 counts.append(1)
-        return first_src, first_dst, counts
+        return PageRuns(first_src, first_dst, counts, max(ps) + 1, max(ds) + 1)
     p, d = p.astype(np.int64, copy=False), d.astype(np.int64, copy=False)
     if min(p.min(), d.min()) < 0:
         return None
@@ -575,16 +631,7 @@ def page_runs(src_pages, dst_pages) -> Optional[tuple[Sequence[int], Sequence[in
     starts = np.empty(breaks.size + 1, dtype=np.int64)
     starts[0] = 0
     np.add(breaks, 1, out=starts[1:])
-    return p[starts], d[starts], np.diff(starts, append=p.size)
-
-
-def _extent(first, counts, short: bool) -> tuple[int, int]:
-    """(lowest page, pages from it to the end of the highest run)."""
-    if short:
-        low = min(first)
-        return low, max(f + c for f, c in zip(first, counts)) - low
-    low = int(first.min())
-    return low, int((first + counts).max()) - low
+    return PageRuns(p[starts], d[starts], np.diff(starts, append=p.size), int(p.max()) + 1, int(d.max()) + 1)
 
 
 # Why a call from page lists was left to the block path (then counted there).
@@ -594,52 +641,38 @@ PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
 PAGED_NOT_PAGES = "not_pages"
 
 
-def send_paged_batch(layout: PagedLayout, src_pages, dst_pages, target: PeerTarget, min_blocks: int,
-                     on_device) -> PeerOutcome:
+def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
     """One transfer call given as page lists: a peer write of every entry's runs, or why not.
 
-    ``on_device(starts, lengths)`` says whether every source span lies in
-    device memory of this process. No per-block Python beyond short calls:
-    long page lists are handled in NumPy. Checks whole spans, not blocks: each
-    entry's destination pages, lowest to highest, must lie in one exported
-    region, and its source pages in device memory. Returns ``PeerOutcome(rc=0)``
-    after the copy landed; ``fallback`` set (and nothing written) when the call
-    should take the block path; raises when the copy failed (the request's
-    transfer failure).
+    No block list: short calls build the launch table in Python, long ones in
+    NumPy (cost per entry and run, not per Python block). Returns
+    ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set (nothing
+    written) when the call should take the block path; raises when the copy
+    failed (the request's transfer failure).
     """
     runs = page_runs(src_pages, dst_pages)
-    if runs is None or not len(layout):
+    if runs is None:
         return PeerOutcome(-1, PAGED_NOT_PAGES)
-    first_src, first_dst, counts = runs
-    if len(layout) * len(counts) < min_blocks:
+    entries = bound.entries
+    if len(entries) * len(runs) < min_blocks:
         return PeerOutcome(-1, PAGED_FEW_BLOCKS)
-    short = isinstance(counts, list)  # page_runs' Python lists: stay in Python
-    # Whole spans, lowest page to highest, one per entry and side.
-    lo_src, src_pages_spanned = _extent(first_src, counts, short)
-    lo_dst, dst_pages_spanned = _extent(first_dst, counts, short)
-    entries = layout.entries
-    if not on_device([s + lo_src * n for s, _, n in entries], [src_pages_spanned * n for *_, n in entries]):
+    if runs.src_end > bound.src_pages:
         return PeerOutcome(-1, PAGED_SOURCE_NOT_DEVICE)
-    page0 = []  # each entry's page 0 in the mapping (may lie below 0: only page addresses are real)
-    for _, d, n in entries:
-        local = target.translate_span(d + lo_dst * n, dst_pages_spanned * n)
-        if local is None:
-            return PeerOutcome(-1, PAGED_OUTSIDE_PEER_MAP)
-        page0.append(local - lo_dst * n)
+    if runs.dst_end > bound.dst_pages:
+        return PeerOutcome(-1, PAGED_OUTSIDE_PEER_MAP)
     # Entry-major blocks: entry k's runs in order, as upstream orders them.
-    if short and len(entries) * len(counts) <= _SMALL_BLOCK_TABLE:
-        runs_ = list(zip(first_src, first_dst, counts))
-        srcs = np.array([s + p * n for s, _, n in entries for p, _, _ in runs_], dtype=np.uint64)
-        dsts = np.array([b + q * e[2] for b, e in zip(page0, entries) for _, q, _ in runs_], dtype=np.uint64)
-        lengths = np.array([c * n for *_, n in entries for *_, c in runs_], dtype=np.uint64)
+    if isinstance(runs.counts, list) and len(entries) * len(runs) <= _SMALL_BLOCK_TABLE:
+        triples = list(zip(runs.first_src, runs.first_dst, runs.counts))
+        srcs = np.array([s + p * n for s, _, n in entries for p, _, _ in triples], dtype=np.uint64)
+        dsts = np.array([d + q * n for _, d, n in entries for _, q, _ in triples], dtype=np.uint64)
+        lengths = np.array([c * n for *_, n in entries for *_, c in triples], dtype=np.uint64)
     else:
-        if short:
-            first_src, first_dst, counts = (np.array(x, dtype=np.int64) for x in (first_src, first_dst, counts))
-        item = np.array([n for *_, n in entries], dtype=np.int64)[:, None]
-        src0 = np.array([s for s, _, _ in entries], dtype=np.int64)[:, None]
-        srcs = (src0 + first_src * item).ravel().view(np.uint64)
-        dsts = (np.array(page0, dtype=np.int64)[:, None] + first_dst * item).ravel().view(np.uint64)
-        lengths = (counts * item).ravel().view(np.uint64)
+        first_src, first_dst, counts = (np.asarray(x, dtype=np.int64)
+                                        for x in (runs.first_src, runs.first_dst, runs.counts))
+        srcs = (bound.src0 + first_src * bound.item).ravel().view(np.uint64)
+        dsts = (bound.dst0 + first_dst * bound.item).ravel().view(np.uint64)
+        lengths = (counts * bound.item).ravel().view(np.uint64)
+    target = bound.target
     if not target.acquire():  # retired meanwhile: a newer map replaced it
         return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
     try:

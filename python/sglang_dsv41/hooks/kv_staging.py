@@ -53,12 +53,14 @@ from sglang_dsv41.core.kv_staging import (
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_PEER_MAP_FAILED,
+    BoundLayout,
     PagedLayout,
     PeerMap,
     PeerMapError,
     PeerTarget,
     PeerTransport,
     encode_peer_map,
+    bind_layout,
     find_peer_map,
     send_paged_batch,
     send_peer_batch,
@@ -102,7 +104,7 @@ class StagingState:
     transport: Optional[PeerTransport] = None  # peer mode, both sides
     exported: Optional[PeerMap] = None  # peer mode, decode
     targets: dict = field(default_factory=dict)  # peer mode, prefill: session -> (PeerMap, target or None)
-    layouts: dict = field(default_factory=dict)  # peer mode, prefill: call kind -> (its inputs, PagedLayout)
+    layouts: dict = field(default_factory=dict)  # peer mode, prefill: kind of send call -> _LearntCall
 
 
 def state_of(manager) -> Optional[StagingState]:
@@ -452,8 +454,16 @@ def _capture_layout(original, manager, call: dict) -> tuple[int, Optional[list]]
 _MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past it, start over
 
 
-def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[PagedLayout]]:
-    """(rc, the call's layout): learnt once per kind of call, again whenever its inputs change.
+@dataclass
+class _LearntCall:
+    inputs: tuple  # the pointer, length and layer-id lists it was learnt from
+    layout: PagedLayout
+    target: Optional[PeerTarget] = None  # the peer map it was last checked against
+    bound: Optional[BoundLayout] = None  # None with target set: it cannot take the page path
+
+
+def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[_LearntCall]]:
+    """(rc, the call's learnt layout): learnt once per kind of call, again whenever its inputs change.
 
     The pairing depends only on the pointer, length and layer-id lists (and the
     manager's fixed layout), never on the pages, so a call whose lists are
@@ -464,17 +474,17 @@ def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[i
         "src_data_ptrs", "dst_data_ptrs", "item_lens", "src_layer_ids", "dst_layer_ids", "dst_item_lens"))
     key = (call["mooncake_session_id"], call["state_type"], call["force_flat"])
     known = state.layouts.get(key)
-    if known is not None and known[0] == inputs:
-        return 0, known[1]
+    if known is not None and known.inputs == inputs:
+        return 0, known
     rc, entries = _capture_layout(original, manager, call)
     if rc != 0 or not entries:
         return rc, None
-    layout = PagedLayout.of(entries)
+    learnt = _LearntCall(inputs, PagedLayout.of(entries))
     with state.lock:
         if len(state.layouts) >= _MAX_LAYOUTS:
             state.layouts.clear()
-        state.layouts[key] = (inputs, layout)
-    return 0, layout
+        state.layouts[key] = learnt
+    return 0, learnt
 
 
 def _layers_on_executor(manager) -> bool:
@@ -513,14 +523,21 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
     if target is None:
         return original(self, **call)  # the block path counts why
-    rc, layout = _paged_layout(original, self, state, call)
+    rc, learnt = _paged_layout(original, self, state, call)
     if rc != 0:  # upstream refused this call (its layout checks) and has concluded it
         return rc
-    if layout is None:  # every entry elided, or not upstream's one-batch path: as it was
+    if learnt is None:  # every entry elided, or not upstream's one-batch path: as it was
+        return original(self, **call)
+    if learnt.target is not target:  # first use, or the decode registered again
+        learnt.bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
+        learnt.target = target
+        if why_not is not None:
+            logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
+                        "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
+    if learnt.bound is None:
         return original(self, **call)
     try:
-        outcome = send_paged_batch(layout, prefill_data_indices, dst_data_indices, target,
-                                   state.config.min_blocks, routing.kinds.spans_on_device)
+        outcome = send_paged_batch(learnt.bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
         plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
