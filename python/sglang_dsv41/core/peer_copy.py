@@ -577,9 +577,8 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
                        column([e[2] for e in entries])), None
 
 
-# Up to these sizes a Python loop beats NumPy's fixed cost per operation.
-_SMALL_PAGE_LIST = 128
-_SMALL_BLOCK_TABLE = 64
+# Up to this many pages a Python loop finds the runs faster than NumPy's calls.
+_SMALL_PAGE_LIST = 16
 
 
 def _page_array(pages) -> Optional[np.ndarray]:
@@ -644,8 +643,8 @@ PAGED_NOT_PAGES = "not_pages"
 def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
     """One transfer call given as page lists: a peer write of every entry's runs, or why not.
 
-    No block list: short calls build the launch table in Python, long ones in
-    NumPy (cost per entry and run, not per Python block). Returns
+    No block list: the launch table comes from NumPy (no Python work per
+    block). Returns
     ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set (nothing
     written) when the call should take the block path; raises when the copy
     failed (the request's transfer failure).
@@ -660,18 +659,13 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
         return PeerOutcome(-1, PAGED_SOURCE_NOT_DEVICE)
     if runs.dst_end > bound.dst_pages:
         return PeerOutcome(-1, PAGED_OUTSIDE_PEER_MAP)
-    # Entry-major blocks: entry k's runs in order, as upstream orders them.
-    if isinstance(runs.counts, list) and len(entries) * len(runs) <= _SMALL_BLOCK_TABLE:
-        triples = list(zip(runs.first_src, runs.first_dst, runs.counts))
-        srcs = np.array([s + p * n for s, _, n in entries for p, _, _ in triples], dtype=np.uint64)
-        dsts = np.array([d + q * n for _, d, n in entries for _, q, _ in triples], dtype=np.uint64)
-        lengths = np.array([c * n for *_, n in entries for *_, c in triples], dtype=np.uint64)
-    else:
-        first_src, first_dst, counts = (np.asarray(x, dtype=np.int64)
-                                        for x in (runs.first_src, runs.first_dst, runs.counts))
-        srcs = (bound.src0 + first_src * bound.item).ravel().view(np.uint64)
-        dsts = (bound.dst0 + first_dst * bound.item).ravel().view(np.uint64)
-        lengths = (counts * bound.item).ravel().view(np.uint64)
+    # Entry-major blocks (entry k's runs in order, as upstream orders them), as
+    # outer sums of the entry columns and the run rows: a few NumPy calls, even
+    # for one page of 43 buffers (a Python loop there costs several times more).
+    item = bound.item
+    srcs = (bound.src0 + np.asarray(runs.first_src, dtype=np.int64) * item).ravel().view(np.uint64)
+    dsts = (bound.dst0 + np.asarray(runs.first_dst, dtype=np.int64) * item).ravel().view(np.uint64)
+    lengths = (np.asarray(runs.counts, dtype=np.int64) * item).ravel().view(np.uint64)
     target = bound.target
     if not target.acquire():  # retired meanwhile: a newer map replaced it
         return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
