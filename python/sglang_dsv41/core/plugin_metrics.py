@@ -92,11 +92,13 @@ SERIES: Tuple[Series, ...] = (
            "(receive).", "send, receive"),
     Series("kv_staging_batches", "counter", "path",
            "Prefill: device transfer batches by path with KV staging on: staged (one engine "
-           "write through the decode peer's slot), peer (one peer write straight into the "
-           "decode's KV, peer mode), failed (refused, not acknowledged or a failed peer write: "
-           "the request's transfer failed), or the direct path, labelled with why neither was used.",
-           "staged, peer, failed, no_grant, few_blocks, block_larger_than_slot, busy, slot_retired, "
-           "no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
+           "write through the decode peer's slot), peer (one batch of sglang's blocks as one peer "
+           "write straight into the decode's KV, peer mode), peer_pages (a whole KV or state send "
+           "written from its page lists, no block list, peer mode), failed (refused, not "
+           "acknowledged or a failed peer write: the request's transfer failed), or the direct "
+           "path, labelled with why neither was used.",
+           "staged, peer, peer_pages, failed, no_grant, few_blocks, block_larger_than_slot, busy, "
+           "slot_retired, no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
     Series("kv_staging_scatters", "counter", "outcome",
            "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
            "(the prefill's transfer then fails).", "done, refused"),
