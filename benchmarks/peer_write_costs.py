@@ -6,7 +6,9 @@ them and times, for transfer batches shaped like a DeepSeek-V4.1 request's
 (few large blocks to a thousand 32 KiB ones), each step of
 ``core.peer_copy.send_peer_batch``: turning the engine's block list into
 arrays, translating the destinations into the mapping, the batched copy
-(launch-table upload, kernel, synchronize), and the whole call. Medians of
+(launch-table upload, kernel, synchronize), and the whole call. Then the page
+path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: finding the
+page runs, the batched copy of the call's table, the whole call. Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 
     PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
@@ -108,10 +110,54 @@ def main() -> int:
     for (n, size), rows in results.items():
         cells = [f"{min(c):.0f}-{max(c):.0f}" for c in zip(*rows)]
         print(f"  {n:>5} x {size >> 10:>4} KiB " + " ".join(f"{c:>13}" for c in cells))
+    paged_costs(args, peer, target, copier, src)
     target.retire()
     conn.send("stop")
     child.join(30)
     return 0
+
+
+# DeepSeek-V4.1 send calls as the page path gets them: (name, bytes per page of each
+# buffer, src pages, dst pages); see mooncake_routing.py --pattern dsv41.
+KV_ITEMS = (73728, 17408, 36864, 36864, 36864, 8704, 8704, 8704)
+SEND_CALLS = (
+    ("window state, 43 x 1 page", (135168,) * 43, [1], [2]),
+    ("8k KV, contiguous", KV_ITEMS, list(range(1, 33)), list(range(2, 34))),
+    ("16k KV chunk, fragmented", KV_ITEMS, list(range(1, 129, 2)), list(range(2, 130, 2))),
+)
+
+
+def paged_costs(args, peer, target, copier, src) -> None:
+    """The page path per send call: finding the runs, the batched copy, the whole call."""
+    from sglang_dsv41.core.peer_copy import PagedLayout, bind_layout, page_runs, send_paged_batch
+
+    span = REGION_BYTES // 64  # each buffer's share of the regions (43 buffers fit)
+    end = src.data_ptr() + src.numel()
+    steps = ("runs", "batched copy", "whole call")
+    results: dict[str, list[list[float]]] = {}
+    for run in range(args.runs):
+        print(f"\npage path, run {run + 1} of {args.runs} (us, median of {args.iters} calls)")
+        print(f"  {'send call':>26} " + " ".join(f"{s:>13}" for s in steps))
+        for name, items, sp, dp in SEND_CALLS:
+            entries = [(src.data_ptr() + k * span, peer.regions[k % REGIONS].ptr + (k // REGIONS) * span, n)
+                       for k, n in enumerate(items)]
+            bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: end - addr)
+            if bound is None:
+                raise RuntimeError(f"{name}: {why_not}")
+            sp_, dp_ = np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32)
+            table = [(s + p * n, d + q * n, n) for s, d, n in bound.entries for p, q in zip(sp, dp)]
+            srcs, dsts, lengths = (np.array(c, dtype=np.uint64) for c in zip(*table))
+            row = [
+                _median_us(lambda: page_runs(sp_, dp_), args.iters),
+                _median_us(lambda: copier.copy(srcs, dsts, lengths), args.iters),
+                _median_us(lambda: send_paged_batch(bound, sp_, dp_, 1), args.iters),
+            ]
+            results.setdefault(name, []).append(row)
+            print(f"  {name:>26} " + " ".join(f"{v:>13.1f}" for v in row))
+    print(f"\npage path over {args.runs} runs: min - max (us)")
+    print(f"  {'send call':>26} " + " ".join(f"{s:>13}" for s in steps))
+    for name, rows in results.items():
+        print(f"  {name:>26} " + " ".join(f"{min(c):.0f}-{max(c):.0f}".rjust(13) for c in zip(*rows)))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,12 @@ def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch)
     assert learnt == [dst, moved]
     assert transport.writes[-1][0][1] == moved[0] + 8 * 256  # entry 0, first run's destination
     assert len(transport.writes) == 4 and engine == []
+    # two kinds of call in turns (here: other page sizes) are each learnt once
+    for _ in range(3):
+        assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+        assert _send(mgr, src, dst, [512] * 4, PAGES) == 0
+    assert learnt == [dst, moved, dst]
+    assert transport.writes[-1][0][2] == 3 * 512 and transport.writes[-2][0][2] == 3 * 256
 
 
 def _paths(fn) -> dict:

@@ -456,30 +456,29 @@ _MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past i
 
 @dataclass
 class _LearntCall:
-    inputs: tuple  # the pointer, length and layer-id lists it was learnt from
     layout: PagedLayout
     target: Optional[PeerTarget] = None  # the peer map it was last checked against
     bound: Optional[BoundLayout] = None  # None with target set: it cannot take the page path
 
 
 def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[_LearntCall]]:
-    """(rc, the call's learnt layout): learnt once per kind of call, again whenever its inputs change.
+    """(rc, the call's learnt layout): learnt once per kind of call.
 
-    The pairing depends only on the pointer, length and layer-id lists (and the
-    manager's fixed layout), never on the pages, so a call whose lists are
-    equal to the last capture's reuses it; a decode that registers again brings
-    new lists and is captured again. rc != 0: upstream refused the call.
+    The pairing depends only on the session, the state type and the pointer,
+    length and layer-id lists (and the manager's fixed layout), never on the
+    pages: those values are the key, so a decode that registers again with
+    other buffers is learnt anew. rc != 0: upstream refused the call.
     """
-    inputs = tuple(None if call[k] is None else tuple(call[k]) for k in (
-        "src_data_ptrs", "dst_data_ptrs", "item_lens", "src_layer_ids", "dst_layer_ids", "dst_item_lens"))
-    key = (call["mooncake_session_id"], call["state_type"], call["force_flat"])
+    key = (call["mooncake_session_id"], call["state_type"], call["force_flat"]) + tuple(
+        None if call[k] is None else tuple(call[k]) for k in (
+            "src_data_ptrs", "dst_data_ptrs", "item_lens", "src_layer_ids", "dst_layer_ids", "dst_item_lens"))
     known = state.layouts.get(key)
-    if known is not None and known.inputs == inputs:
+    if known is not None:
         return 0, known
     rc, entries = _capture_layout(original, manager, call)
     if rc != 0 or not entries:
         return rc, None
-    learnt = _LearntCall(inputs, PagedLayout.of(entries))
+    learnt = _LearntCall(PagedLayout.of(entries))
     with state.lock:
         if len(state.layouts) >= _MAX_LAYOUTS:
             state.layouts.clear()
@@ -534,8 +533,8 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         if why_not is not None:
             logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
                         "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
-    if learnt.bound is None:
-        return original(self, **call)
+    if learnt.bound is None or len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
+        return original(self, **call)  # (the second: too few blocks however the pages run)
     try:
         outcome = send_paged_batch(learnt.bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
