@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, StateType
 
 from sglang_dsv41.core.kv_staging import StagingConfig, MODE_PEER
 from sglang_dsv41.core.mooncake_routing import KindTable, MemoryKind, TransferRouter
@@ -51,15 +51,19 @@ class _IdentityTransport:
         pass
 
 
-def _manager(entries: int, dst_entries: int, *, mla=True, start_layer=0, page_path=True, min_blocks=1):
+def _manager(entries: int, dst_entries: int, *, mla=True, start_layer=0, end_layer=None, ratios=None,
+             page_path=True, min_blocks=1):
     """A real MooncakeKVManager object without its constructor: what the send path reads, no engine."""
     mgr = MooncakeKVManager.__new__(MooncakeKVManager)
     mgr.__dict__.update(
         is_mla_backend=mla, is_hybrid_mla_backend=False, state_strides_validated=set(), pp_size=1,
         enable_custom_mem_pool=False, custom_mem_pool_type=None, max_transfer_batch_indices=0,
-        kv_args=SimpleNamespace(prefill_start_layer=start_layer, prefill_end_layer=start_layer + entries,
-                                num_draft_entries=0, mla_compression_ratios=None),
+        kv_args=SimpleNamespace(prefill_start_layer=start_layer,
+                                prefill_end_layer=start_layer + entries if end_layer is None else end_layer,
+                                num_draft_entries=0, mla_compression_ratios=ratios),
     )
+    mgr.failures = []
+    mgr.conclude_failure = lambda **kw: mgr.failures.append(kw)
     src = [SRC0 + k * BUF for k in range(entries)]
     dst = [DST0 + k * BUF for k in range(dst_entries)]
     engine = []
@@ -104,6 +108,12 @@ LAYOUTS = {
     "k_and_v_halves": (4, 4, dict(mla=False), [256] * 4, {}),
     "pipeline_stage": (2, 6, dict(start_layer=3), [256, 256], {}),
     "elided_entry": (3, 3, {}, [256, 0, 128], {}),
+    # DeepSeek-V4 compressed KV under pipeline parallelism: layers 2-3 of ratios (4, 128, 4, 4) on
+    # this stage (their KV and indexer buffers), the decode holding all seven of the model's
+    "compressed_stage": (4, 7, dict(start_layer=2, end_layer=4, ratios=[4, 128, 4, 4]), [256, 256, 64, 64], {}),
+    # a sliding-window state send whose decode strides are checked by upstream first
+    "window_state": (5, 5, {}, [512] * 5, dict(state_type=StateType.SWA, dst_item_lens=[512] * 5,
+                                               bootstrap_room=7)),
 }
 
 
@@ -119,6 +129,16 @@ def test_the_peer_write_is_the_block_list_upstream_would_send(layout, pages):
     # (the same call with KV staging off: what upstream hands the engine)
     assert _send(stock, src, dst, item_lens, pages, **send) == 0
     assert [tuple(b) for b in stock_engine[0]] == transport.writes[0]
+
+
+def test_a_send_upstream_refuses_is_refused_once_and_written_nowhere():
+    # decode strides that differ from prefill's: upstream concludes the request failed
+    mgr, src, dst, engine, transport = _manager(5, 5)
+    bad = dict(state_type=StateType.SWA, dst_item_lens=[512] * 4 + [1024], bootstrap_room=7)
+    assert _send(mgr, src, dst, [512] * 5, PAGES, **bad) == -1
+    assert [f["bootstrap_room"] for f in mgr.failures] == [7]  # concluded once, by the dry run
+    assert "mismatch" in mgr.failures[0]["failure_reason"]
+    assert transport.writes == [] and engine == []
 
 
 def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch):
