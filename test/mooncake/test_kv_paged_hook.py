@@ -165,6 +165,16 @@ def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch)
         assert _send(mgr, src, dst, [512] * 4, PAGES) == 0
     assert learnt == [dst, moved, dst]
     assert transport.writes[-1][0][2] == 3 * 512 and transport.writes[-2][0][2] == 3 * 256
+    # the decode registers again with the same buffers (a new map, a new mapping): nothing is
+    # learnt again, but each kind of call is checked against the new mapping before its next write
+    info = mgr.decode_kv_args_table[SESSION]
+    old_map = getattr(info, kv_staging.PEER_MAP_ATTR)
+    setattr(info, kv_staging.PEER_MAP_ATTR, PeerMap(old_map.kind, old_map.host, old_map.regions))
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    assert len(learnt) == 3
+    new_target = kv_staging.state_of(mgr).targets[SESSION][1]
+    checked = [c.checked for c in kv_staging.state_of(mgr).layouts.values() if c.checked[0] is new_target]
+    assert len(checked) == 1 and checked[0][1].target is new_target
 
 
 def _paths(fn) -> dict:

@@ -457,8 +457,9 @@ _MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past i
 @dataclass
 class _LearntCall:
     layout: PagedLayout
-    target: Optional[PeerTarget] = None  # the peer map it was last checked against
-    bound: Optional[BoundLayout] = None  # None with target set: it cannot take the page path
+    # (the peer map it was last checked against, the bound layout or None when it cannot
+    # take the page path): replaced as one value, transfer threads share it
+    checked: Optional[tuple[PeerTarget, Optional[BoundLayout]]] = None
 
 
 def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[_LearntCall]]:
@@ -527,16 +528,18 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         return rc
     if learnt is None:  # every entry elided, or not upstream's one-batch path: as it was
         return original(self, **call)
-    if learnt.target is not target:  # first use, or the decode registered again
-        learnt.bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
-        learnt.target = target
+    checked = learnt.checked
+    if checked is None or checked[0] is not target:  # first use, or the decode registered again
+        bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
+        learnt.checked = checked = (target, bound)
         if why_not is not None:
             logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
                         "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
-    if learnt.bound is None or len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
+    bound = checked[1]
+    if bound is None or len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
         return original(self, **call)  # (the second: too few blocks however the pages run)
     try:
-        outcome = send_paged_batch(learnt.bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
+        outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
         plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
