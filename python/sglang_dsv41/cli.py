@@ -181,8 +181,9 @@ def _kv_staging_finding() -> Finding | None:
         return Finding("kv-staging", "fail", f"{STAGING_ENV}={value} needs Triton for its batched copy, "
                        "and triton is not installed: the PD server would stop at start")
     if config.mode == MODE_PEER:
-        return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: batches of {config.min_blocks}+ device "
-                       "blocks written straight into the decode's KV over CUDA IPC")
+        return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
+                       "device blocks written straight into the decode's KV over CUDA IPC, from their "
+                       "page lists where sglang's send allows")
     return Finding("kv-staging", "ok", f"{STAGING_ENV}=1: {config.slots} slots of "
                    f"{config.slot_bytes >> 20} MiB per side, batches of {config.min_blocks}+ blocks staged")
 

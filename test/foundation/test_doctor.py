@@ -57,6 +57,6 @@ def test_doctor_checks_kv_staging_settings_when_they_are_set():
     assert len(staging) == 1 and staging[0]["status"] == "ok"  # triton ships with sglang
     assert "4 slots of 32 MiB" in staging[0]["message"]
     peer = _run({"SGLANG_DSV41_KV_STAGING": "peer"})
-    assert peer.returncode == 0 and "SGLANG_DSV41_KV_STAGING=peer: batches of 8+ device blocks" in peer.stdout
+    assert peer.returncode == 0 and "SGLANG_DSV41_KV_STAGING=peer: KV and state sends of 8+ device blocks" in peer.stdout
     wrong = _run({"SGLANG_DSV41_KV_STAGING": "peers"})
     assert wrong.returncode == 1 and "use 1 (slot staging), peer (peer writes) or 0 / unset (off)" in wrong.stdout
