@@ -255,6 +255,7 @@ def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
     last_bytes = PagedLayout.of([(0x50000, 0x10FF80, 0x100)])  # page 0 runs past the region
     assert bind_layout(last_bytes, target, device)[1] == FALLBACK_OUTSIDE_PEER_MAP
     assert bind_layout(PagedLayout.of([(0x50000, 0x100000, 0)]), target, device)[1] == "not_pages"
+    assert bind_layout(PagedLayout.of([(1 << 63, 0x100000, 0x100)]), target, lambda a: 1 << 20)[1] == "not_pages"
 
 
 # --- the host transport, against a real second process

@@ -23,7 +23,10 @@ batch with one batched copy straight into the decode's pages. Opt-in
    side. A destination outside the map, a map that cannot be opened (another
    host, another container's IPC namespace, memory that cannot be exported)
    sends the batch the direct way, counted with its reason; a failed copy is
-   the request's transfer failure.
+   the request's transfer failure. A whole send call given as page lists
+   (``PagedLayout``, ``bind_layout``, ``send_paged_batch``) is written the same
+   way without ever becoming a block list: its buffers are checked once, each
+   call by its highest page, and the launch table comes from NumPy.
 4. Lifetime. A decode restart registers again with new handles; the old
    mappings are closed once no batch is using them, so a restarted decode's
    old KV pool is not held alive by the prefill.
@@ -558,8 +561,8 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     ``device_bytes_from(addr)``: bytes from ``addr`` to the end of the device
     region of this process holding it, 0 when it is not device memory.
     """
-    if not len(layout) or any(n <= 0 for *_, n in layout.entries):
-        return None, PAGED_NOT_PAGES
+    if not len(layout) or any(n <= 0 or max(s, d) >= _ADDRESS_CEILING for s, d, n in layout.entries):
+        return None, PAGED_NOT_PAGES  # (the table is built in int64: no address near its top)
     entries, src_pages, dst_pages = [], [], []
     for s, d, n in layout.entries:
         room = device_bytes_from(s)
@@ -576,6 +579,8 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
                        column([e[0] for e in entries]), column([e[1] for e in entries]),
                        column([e[2] for e in entries])), None
 
+
+_ADDRESS_CEILING = 1 << 62
 
 # Up to this many pages a Python loop finds the runs faster than NumPy's calls (measured on
 # the H200 host: 32 pages 7 us in Python, 22 us in NumPy).
