@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mooncake_routing as bench  # noqa: E402  (the request patterns)
+from peer_write_costs import _median_us  # noqa: E402
 
 SESSION = "127.0.0.1:17000"
 BUFFER = 1 << 32  # address space per buffer (nothing is touched)
@@ -114,17 +113,6 @@ def _request(send, tokens, layout):
             if call() != 0:
                 raise RuntimeError("a send call failed")
     return run
-
-
-def _median_us(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> int:
