@@ -17,9 +17,14 @@ import pytest
 from sglang_dsv41.core.batch_copy import (
     BatchCopyError,
     HostBatchCopy,
+    _bounded_pages,
     as_batch,
     batch_word,
+    blocks_as_paged,
+    expand_paged,
     fill_launch_table,
+    fill_paged_table,
+    paged_copy,
     plan_pieces,
 )
 
@@ -342,3 +347,155 @@ def test_kernel_compiles_for_hopper_with_wide_accesses():
     # 16-byte batches move 128 bits per access; the byte path must not claim more than it may.
     assert "ld.global.v2.b64" in accesses[16] and "st.global.v2.b64" in accesses[16], accesses
     assert not any(".v2" in a or ".v4" in a for a in accesses[1]), accesses
+
+
+# --- page-addressed copies ------------------------------------------------------------
+
+
+def random_paged(rng, src_base: int, src_size: int, dst_base: int, dst_size: int, align: int,
+                 calls: int = 3):
+    """Paged copies over disjoint buffers: per call a few buffers, a page size each, shuffled page pairs."""
+    copies, src_at, dst_at = [], 0, 0
+    for _ in range(calls):
+        buffers = int(rng.integers(1, 6))
+        n_pages = int(rng.integers(1, 12))
+        pool_pages = n_pages + int(rng.integers(0, 6))
+        rows = []
+        for _ in range(buffers):
+            item = max(align, int(rng.integers(1, 9000)) // align * align)
+            rows.append((src_base + src_at, dst_base + dst_at, item))
+            src_at += pool_pages * item + align
+            dst_at += pool_pages * item + 3 * align
+        assert src_at <= src_size and dst_at <= dst_size, "buffers too small for the random copies"
+        sp = rng.permutation(pool_pages)[:n_pages].astype(np.int32)  # src pages may repeat only across calls
+        dp = rng.permutation(pool_pages)[:n_pages]  # distinct: no two pairs write one page
+        copies.append(paged_copy(rows, sp, dp))
+    return copies
+
+
+@pytest.mark.parametrize("align", [1, 8, 16])
+def test_paged_copies_move_exactly_their_block_list(align):
+    rng = np.random.default_rng(align)
+    copier = HostBatchCopy()
+    src_alloc, dst_alloc = copier.allocate(2 << 20), copier.allocate(3 << 20)
+    src, dst = host_view(src_alloc), host_view(dst_alloc)
+    src[:] = rng.integers(0, 256, size=src.size, dtype=np.uint8)
+    copies = random_paged(rng, src_alloc.ptr, src.size, dst_alloc.ptr, dst.size, align)
+    s, d, n = expand_paged(copies)
+    # the block list by hand: entry by entry, pages in order
+    want_blocks = [(int(r[0]) + int(p) * int(r[2]), int(r[1]) + int(q) * int(r[2]), int(r[2]))
+                   for c in copies for r in c.entries for p, q in zip(c.src_pages, c.dst_pages)]
+    assert list(zip(s.tolist(), d.tolist(), n.tolist())) == want_blocks
+    want = expected_bytes(src, dst, src_alloc.ptr, dst_alloc.ptr, s, d, n)
+    copier.copy_pages(copies)
+    assert np.array_equal(dst, want)
+    assert all(c.word >= align for c in copies)
+
+
+def test_blocks_as_paged_is_the_block_list_without_empty_entries():
+    c = blocks_as_paged([4096, 8192, 64], [65536, 70000, 128], [512, 0, 16])
+    assert expand_paged([c])[0].tolist() == [4096, 64]
+    assert expand_paged([c])[2].tolist() == [512, 16]
+    assert c.word == 16 and c.max_item == 512
+    assert len(blocks_as_paged([4096], [8192], [0]).entries) == 0
+
+
+BAD_PAGED = [
+    ("page lists", [(4096, 8192, 64)], [1, 2], [1]),
+    ("page lists", [(4096, 8192, 64)], [1.0], [1]),
+    ("page lists", [(4096, 8192, 64)], np.ones((1, 1), np.int32), np.ones((1, 1), np.int32)),
+    ("negative", [(4096, 8192, 64)], [-1], [1]),
+    ("negative", [(4096, 8192, 64)], [1], np.array([-3], np.int64)),
+    ("positive bytes per page", [(4096, 8192, 0)], [1], [1]),
+    ("non-null", [(0, 8192, 64)], [1], [1]),
+    ("no GPU address range", [(4096, 8192, 1 << 40)], [1 << 22], [1]),
+    ("rows", [(1, 2)], [1], [1]),
+]
+
+
+@pytest.mark.parametrize("needle, entries, sp, dp", BAD_PAGED)
+def test_bad_paged_copies_are_refused(needle, entries, sp, dp):
+    with pytest.raises(BatchCopyError, match=needle):
+        paged_copy(entries, sp, dp)
+
+
+def test_paged_table_layout_and_long_lists_cut_to_grid_rows():
+    c = paged_copy([(4096, 65536, 1024), (8192, 131072, 40000)], np.array([5, 1], np.int32), [0, 7])
+    table = np.zeros(64, np.uint64)
+    word, chunk, segments, units, used = fill_paged_table(lambda nbytes: table, [c], CHUNK)
+    t = table.view(np.int64)
+    assert (word, chunk, segments, units, used) == (16, CHUNK, 2, 2 * 2, 8 * (10 + 4))
+    assert t[:10].tolist() == [4096, 65536, 1024, 10, 2, 8192, 131072, 40000, 10, 2]
+    assert t[10:14].tolist() == [5, 1, 0, 7]
+    # a page list longer than one grid row of pieces is cut, never dropped
+    many = 70_000
+    long = paged_copy([(4096, 8192, 16)], np.arange(many), np.arange(many))
+    cut = _bounded_pages([long], CHUNK)
+    assert len(cut) == 2 and sum(len(x.src_pages) for x in cut) == many
+    assert np.array_equal(np.concatenate([x.dst_pages for x in cut]), np.arange(many))
+    big = paged_copy([(4096, 8192, 1 << 20)], np.arange(3000), np.arange(3000))  # 32 pieces a page
+    assert all(len(x.src_pages) * 32 <= 65535 for x in _bounded_pages([big], CHUNK))
+
+
+INTERPRETED_PAGED_KERNEL = """
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np, torch
+    sys.path.insert(0, {test_dir!r})
+    from test_batch_copy import random_paged, expected_bytes
+    from sglang_dsv41.core import batch_copy_kernel as k
+    from sglang_dsv41.core.batch_copy import expand_paged, fill_paged_table, _bounded_pages
+
+    for seed, align in ((1, 16), (2, 8), (3, 1), (4, 16)):
+        rng = np.random.default_rng(seed)
+        src = torch.from_numpy(rng.integers(0, 256, size=1_500_000, dtype=np.uint8))
+        dst = torch.from_numpy(rng.integers(0, 256, size=2_500_000, dtype=np.uint8))
+        sb, db = src.data_ptr(), dst.data_ptr()
+        copies = _bounded_pages(random_paged(rng, sb, src.numel(), db, dst.numel(), align, calls=3),
+                                k.MIN_CHUNK_BYTES)
+        want = expected_bytes(src.numpy(), dst.numpy(), sb, db, *expand_paged(copies))
+        table = np.zeros(1 << 14, np.uint64)
+        word, chunk, segments, units, used = fill_paged_table(lambda n: table, copies, k.MIN_CHUNK_BYTES)
+        k.paged_copy_kernel[(segments, units)](torch.from_numpy(table).view(torch.int64), chunk,
+                                               WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
+        ok = np.array_equal(dst.numpy(), want)
+        print("CASE", seed, word, segments, units, "ok" if ok else "MISMATCH")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton or torch not installed")
+@pytest.mark.skipif(not numpy_takes_int_of_one_element_arrays(),
+                    reason="Triton's interpreter turns a loop bound loaded from memory into int(1-element array), "
+                           "which this numpy refuses (seen with numpy 2.5 and Triton 3.6)")
+def test_paged_kernel_is_byte_exact_in_the_triton_interpreter():
+    from pathlib import Path
+
+    proc = run_in_subprocess(INTERPRETED_PAGED_KERNEL.format(test_dir=str(Path(__file__).parent)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = [l.split() for l in proc.stdout.splitlines() if l.startswith("CASE")]
+    assert len(cases) == 4, proc.stdout
+    assert {c[2] for c in cases} == {"16", "8", "1"}, cases
+    assert all(c[-1] == "ok" for c in cases), proc.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton or torch not installed")
+def test_paged_kernel_compiles_for_hopper_with_wide_accesses():
+    import re
+
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except Exception as exc:
+        pytest.skip(f"triton compile API unavailable: {exc}")
+    from sglang_dsv41.core import batch_copy_kernel as k
+
+    source = ASTSource(k.paged_copy_kernel,
+                       signature={"table": "*i64", "chunk": "i32", "WORD": "constexpr", "BLOCK": "constexpr"},
+                       constexprs={"WORD": 16, "BLOCK": k.BLOCK_ELEMENTS[16]})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:
+        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    accesses = set(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]))
+    assert "ld.global.v2.b64" in accesses and "st.global.v2.b64" in accesses, accesses

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from _paged import runs_of_paged
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, StateType
 
 from sglang_dsv41.core.kv_staging import StagingConfig, MODE_PEER
@@ -46,6 +47,9 @@ class _IdentityTransport:
 
     def write(self, target, srcs, dsts, lengths):
         self.writes.append(list(zip(srcs.tolist(), dsts.tolist(), lengths.tolist())))
+
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
+        self.writes.append(runs_of_paged(copies))
 
     def close(self, opened):
         pass

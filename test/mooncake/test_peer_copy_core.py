@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from _paged import runs_of_paged
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_OUTSIDE_PEER_MAP,
@@ -53,6 +54,9 @@ class _Recorder:
 
     def write(self, target, srcs, dsts, lengths):
         self.writes.append((srcs.tolist(), dsts.tolist(), lengths.tolist()))
+
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
+        self.writes.append(tuple(map(list, zip(*runs_of_paged(copies)))))
 
     def close(self, opened):
         self.closed.append(list(opened))

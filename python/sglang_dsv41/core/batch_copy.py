@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -52,6 +52,9 @@ class BatchCopy(Protocol):
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
+
+    def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
+        """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
 
 
 def _as_uint64(values, name: str) -> np.ndarray:
@@ -107,6 +110,128 @@ def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 raise BatchCopyError(f"batch entry {i}: null pointer with {int(n[i])} bytes")
     return s, d, n
 
+# --- page-addressed batches -------------------------------------------------------
+
+PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table (batch_copy_kernel)
+_MAX_UNITS = 65535  # a grid's y limit: pages x pieces of one segment
+
+
+@dataclass(frozen=True)
+class PagedCopy:
+    """Pages of several buffers moved with one list of page pairs.
+
+    ``entries``: C-contiguous int64 rows (page-0 address at the source, page-0
+    address at the destination, bytes per page), one per buffer;
+    ``src_pages``/``dst_pages``: equal-length integer arrays. Page
+    ``src_pages[k]`` of every entry goes to its page ``dst_pages[k]``. A block
+    list is the case of one pair (0, 0) with an entry per block. Build it with
+    ``paged_copy`` (which checks it) unless the caller checked the same facts
+    (``core.peer_copy`` does, once per layout).
+    """
+
+    entries: np.ndarray
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    word: int  # the widest access every address and page size allows
+    max_item: int  # the largest bytes per page
+
+
+_ONE_PAIR = np.zeros(1, dtype=np.int64)
+
+
+def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
+    """A checked ``PagedCopy``: BatchCopyError for pages or entries no copy can take."""
+    try:
+        rows = np.ascontiguousarray(np.asarray(entries, dtype=np.int64).reshape(-1, 3))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise BatchCopyError(f"paged copy entries are not (source, destination, bytes per page) rows: {exc}") from exc
+    sp, dp = np.asarray(src_pages), np.asarray(dst_pages)
+    if sp.ndim != 1 or sp.shape != dp.shape or sp.dtype.kind not in "iu" or dp.dtype.kind not in "iu":
+        raise BatchCopyError("paged copy page lists must be two integer arrays of one length")
+    if not len(rows) or not len(sp):
+        return PagedCopy(rows, sp, dp, 16, 0)
+    if rows.min() <= 0:
+        raise BatchCopyError("paged copy entries need non-null addresses and positive bytes per page")
+    if min(int(sp.min()), int(dp.min())) < 0:
+        raise BatchCopyError("paged copy page ids must not be negative")
+    item = int(rows[:, 2].max())
+    top = int(rows[:, :2].max()) + (max(int(sp.max()), int(dp.max())) + 1) * item
+    if top >= _ADDRESS_LIMIT or item > _LENGTH_LIMIT:
+        raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
+    return PagedCopy(rows, sp, dp, _word_of(int(np.bitwise_or.reduce(rows.ravel()))), item)
+
+
+def blocks_as_paged(srcs, dsts, lengths) -> PagedCopy:
+    """A block list as one ``PagedCopy`` (entries with nothing to copy left out)."""
+    s, d, n = as_batch(srcs, dsts, lengths)
+    keep = n != 0
+    if not keep.all():
+        s, d, n = s[keep], d[keep], n[keep]
+    return paged_copy(np.stack((s, d, n), axis=1).view(np.int64) if len(n) else np.zeros((0, 3), np.int64),
+                      _ONE_PAIR, _ONE_PAIR)
+
+
+def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order."""
+    parts = []
+    for c in copies:
+        if not len(c.entries) or not len(c.src_pages):
+            continue
+        item = c.entries[:, 2:3]
+        sp, dp = c.src_pages.astype(np.int64)[None, :], c.dst_pages.astype(np.int64)[None, :]
+        parts.append(((c.entries[:, 0:1] + sp * item).ravel(), (c.entries[:, 1:2] + dp * item).ravel(),
+                      np.broadcast_to(item, (len(item), sp.shape[1])).ravel()))
+    if not parts:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    return tuple(np.concatenate([p[k] for p in parts]).view(np.uint64) for k in range(3))
+
+
+def _bounded_pages(copies: Sequence[PagedCopy], min_chunk: int) -> list[PagedCopy]:
+    """``copies`` without empty ones, long page lists cut so one segment fits a grid row."""
+    most = max(1, _MAX_UNITS // max(1, -(-max(c.max_item for c in copies) // min_chunk)))
+    out = []
+    for c in copies:
+        n = len(c.src_pages)
+        if not n or not len(c.entries):
+            continue
+        if n <= most:
+            out.append(c)
+            continue
+        for k in range(0, n, most):
+            out.append(PagedCopy(c.entries, c.src_pages[k:k + most], c.dst_pages[k:k + most], c.word, c.max_item))
+    return out
+
+
+def fill_paged_table(reserve, copies: Sequence[PagedCopy], min_chunk: int) -> tuple[int, int, int, int, int]:
+    """Write the paged kernel's table; returns (word, chunk, segments, units, bytes used).
+
+    ``copies`` come from ``_bounded_pages`` (no empty one, page lists within a
+    grid row). ``reserve(nbytes)`` returns a uint64 array of at least
+    ``nbytes`` bytes.
+    """
+    segments = sum(len(c.entries) for c in copies)
+    words = PAGED_SEGMENT_WORDS * segments + 2 * sum(len(c.src_pages) for c in copies)
+    table = reserve(8 * words).view(np.int64)
+    rows = table[:PAGED_SEGMENT_WORDS * segments].reshape(segments, PAGED_SEGMENT_WORDS)
+    row = 0
+    at = PAGED_SEGMENT_WORDS * segments
+    word, item, pages = 16, 0, 0
+    for c in copies:
+        e, n = len(c.entries), len(c.src_pages)
+        seg = rows[row:row + e]
+        seg[:, :3] = c.entries
+        seg[:, 3] = at
+        seg[:, 4] = n
+        table[at:at + n] = c.src_pages
+        table[at + n:at + 2 * n] = c.dst_pages
+        row, at = row + e, at + 2 * n
+        word, item, pages = min(word, c.word), max(item, c.max_item), max(pages, n)
+    chunk = min_chunk
+    while pages * -(-item // chunk) > _MAX_UNITS:
+        chunk *= 2
+    return word, chunk, segments, pages * -(-item // chunk), 8 * words
+
 
 class HostBatchCopy:
     """Host memory through ctypes, one memmove per entry."""
@@ -124,6 +249,9 @@ class HostBatchCopy:
         for src, dst, length in zip(s.tolist(), d.tolist(), n.tolist()):
             if length:
                 ctypes.memmove(dst, src, length)
+
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+        self.copy(*expand_paged(copies))
 
 
 # --- CUDA ---------------------------------------------------------------------
@@ -363,6 +491,26 @@ class CudaBatchCopy:
         s, d, n = _converted(srcs, dsts, lengths)
         if not len(n):
             return
+        if self._kernels is not None:
+            self._on_lane(lambda lane: self._copy_kernel(lane, s, d, n, started), f"{len(n)} entries")
+        else:
+            as_batch(s, d, n)
+            self._on_lane(lambda lane: self._copy_memcpy(lane, s, d, n, started), f"{len(n)} entries")
+
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+        """Every page pair of ``copies`` in one launch of the paged kernel (no block list)."""
+        started = time.perf_counter()
+        if self._kernels is None:
+            self.copy(*expand_paged(copies))
+            return
+        copies = [c for c in copies if len(c.entries) and len(c.src_pages)]
+        if not copies:
+            return
+        copies = _bounded_pages(copies, self._kernels.MIN_CHUNK_BYTES)
+        self._on_lane(lambda lane: self._copy_paged(lane, copies, started),
+                      f"{sum(len(c.entries) for c in copies)} buffers' pages")
+
+    def _on_lane(self, work, what: str) -> None:
         with self._lock:
             lane = self._lanes.pop() if self._lanes else None
         torch = self._torch
@@ -372,15 +520,11 @@ class CudaBatchCopy:
         try:
             if lane is None:
                 lane = _Lane(torch, self.device)
-            if self._kernels is not None:
-                self._copy_kernel(lane, s, d, n, started)
-            else:
-                as_batch(s, d, n)
-                self._copy_memcpy(lane, s, d, n, started)
+            work(lane)
         except BatchCopyError:
             raise
         except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
-            raise BatchCopyError(f"batch copy of {len(n)} entries on cuda:{self.device} failed: {exc}") from exc
+            raise BatchCopyError(f"batch copy of {what} on cuda:{self.device} failed: {exc}") from exc
         finally:
             if previous != self.device:
                 torch.cuda.set_device(previous)
@@ -388,17 +532,21 @@ class CudaBatchCopy:
                 with self._lock:
                     self._lanes.append(lane)
 
-    def _compile(self, kernels, word: int):
-        compiled = self._compiled.get(word)
+    def _compile(self, kernels, word: int, paged: bool = False):
+        compiled = self._compiled.get((paged, word))
         if compiled is None:
             with self._lock:
-                compiled = self._compiled.get(word)
+                compiled = self._compiled.get((paged, word))
                 if compiled is None:
                     dummy = self._torch.empty(2, dtype=self._torch.int64, device=f"cuda:{self.device}")
-                    compiled = kernels.batch_copy_kernel.warmup(
-                        dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word,
-                        BLOCK=kernels.BLOCK_ELEMENTS[word], grid=(1,))
-                    self._compiled[word] = compiled
+                    block = kernels.BLOCK_ELEMENTS[word]
+                    if paged:
+                        compiled = kernels.paged_copy_kernel.warmup(
+                            dummy, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
+                    else:
+                        compiled = kernels.batch_copy_kernel.warmup(
+                            dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
+                    self._compiled[(paged, word)] = compiled
         return compiled
 
     def _copy_kernel(self, lane: _Lane, s, d, n, started: float) -> None:
@@ -407,8 +555,25 @@ class CudaBatchCopy:
         if not pieces:
             return
         entries = len(n)
-        compiled = self._compile(kernels, word)
         block = kernels.BLOCK_ELEMENTS[word]
+        self._launch(lane, used, self._compile(kernels, word), (entries, pieces, 1),
+                     (lane.device_ptr, entries, chunk, word, block),
+                     lambda: kernels.batch_copy_kernel[(entries, pieces)](
+                         lane.device_table, entries, chunk, WORD=word, BLOCK=block),
+                     started)
+
+    def _copy_paged(self, lane: _Lane, copies: list, started: float) -> None:
+        kernels = self._kernels
+        word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
+        block = kernels.BLOCK_ELEMENTS[word]
+        self._launch(lane, used, self._compile(kernels, word, paged=True), (segments, units, 1),
+                     (lane.device_ptr, chunk, word, block),
+                     lambda: kernels.paged_copy_kernel[(segments, units)](
+                         lane.device_table, chunk, WORD=word, BLOCK=block),
+                     started)
+
+    def _launch(self, lane: _Lane, used: int, compiled, grid, args, jit_launch, started: float) -> None:
+        """Upload the lane's table, launch, wait: the copy has landed when this returns."""
         rt = self._runtime
         if rt is not None:
             err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, _CUDA_MEMCPY_HOST_TO_DEVICE,
@@ -422,14 +587,12 @@ class CudaBatchCopy:
         if self._fast_launch:
             try:
                 # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
-                compiled[(entries, pieces, 1)](lane.device_ptr, entries, chunk, word, block,
-                                               stream=lane.stream_handle)
+                compiled[grid](*args, stream=lane.stream_handle)
             except (TypeError, AttributeError):  # a Triton whose launcher differs
                 self._fast_launch = False
         if not self._fast_launch:
             with self._torch.cuda.stream(lane.stream):
-                kernels.batch_copy_kernel[(entries, pieces)](lane.device_table, entries, chunk,
-                                                             WORD=word, BLOCK=block)
+                jit_launch()
         self.last_submit_s = time.perf_counter() - started
         if rt is not None:
             err = rt.lib.cudaStreamSynchronize(lane.stream_handle)

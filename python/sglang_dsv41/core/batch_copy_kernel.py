@@ -11,6 +11,18 @@ chunk) of entry e, and returns at once where the entry is shorter. ``chunk``
 (bytes, a power of two, at least ``MIN_CHUNK_BYTES``) is picked per batch by
 the host so that the grid stays a small multiple of the useful programs.
 
+``paged_copy_kernel`` takes pages instead of blocks (``batch_copy.PagedCopy``):
+its table is one row of five int64 per segment (one buffer of one call),
+
+    [page-0 source, page-0 destination, bytes per page, index of the call's
+     page pairs in the table, number of pairs]
+
+followed by each call's source pages then destination pages. The grid is
+(segments, units): program (s, u) copies piece u % pieces of page pair
+u // pieces of segment s, where pieces = ceil(bytes per page / chunk), and
+returns at once past the segment's pages. Addresses come from the page ids on
+the device, so the host never builds a per-block list.
+
 ``WORD`` is what the batch's alignment allows: 16 (every pointer and length a
 multiple of 16: 128-bit loads and stores), 8 (64-bit), 1 (bytes).
 """
@@ -24,6 +36,33 @@ MIN_CHUNK_BYTES = 32768  # small enough to spread one entry over many SMs
 BLOCK_ELEMENTS = {16: 1024, 8: 1024, 1: 4096}  # elements per step (8 KiB or 4 KiB)
 
 
+@triton.jit
+def _copy_piece(src, dst, first_byte, nbytes, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    """Bytes [first_byte, first_byte + chunk) of one ``nbytes`` entry, clipped at its end."""
+    if WORD == 1:
+        ELEM: tl.constexpr = 1
+        src_ptr = src.to(tl.pointer_type(tl.uint8))
+        dst_ptr = dst.to(tl.pointer_type(tl.uint8))
+        count = nbytes
+    else:
+        ELEM: tl.constexpr = 8
+        src_ptr = src.to(tl.pointer_type(tl.int64))
+        dst_ptr = dst.to(tl.pointer_type(tl.int64))
+        # The hint keeps the tail mask in whole words, so 16-byte accesses survive it.
+        count = tl.multiple_of(nbytes // 8, WORD // 8)
+    # chunk is a multiple of BLOCK elements; saying so keeps the mask in whole vectors.
+    start = tl.multiple_of(first_byte // ELEM, BLOCK)
+    stop = tl.minimum(count, start + chunk // ELEM)
+    offsets = tl.arange(0, BLOCK)
+    for step in range(0, stop - start, BLOCK):
+        index = start + tl.multiple_of(step, BLOCK) + offsets
+        mask = index < count
+        # Pointers loaded from memory carry no alignment facts; WORD is what the host checked.
+        src_block = tl.max_contiguous(tl.multiple_of(src_ptr + index, WORD), BLOCK)
+        dst_block = tl.max_contiguous(tl.multiple_of(dst_ptr + index, WORD), BLOCK)
+        tl.store(dst_block, tl.load(src_block, mask=mask), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_entries", "chunk"])
 def batch_copy_kernel(table, n_entries, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
     entry = tl.program_id(0).to(tl.int64)
@@ -32,25 +71,20 @@ def batch_copy_kernel(table, n_entries, chunk, WORD: tl.constexpr, BLOCK: tl.con
     if first_byte < nbytes:
         src = tl.load(table + entry)
         dst = tl.load(table + n_entries + entry)
-        if WORD == 1:
-            ELEM: tl.constexpr = 1
-            src_ptr = src.to(tl.pointer_type(tl.uint8))
-            dst_ptr = dst.to(tl.pointer_type(tl.uint8))
-            count = nbytes
-        else:
-            ELEM: tl.constexpr = 8
-            src_ptr = src.to(tl.pointer_type(tl.int64))
-            dst_ptr = dst.to(tl.pointer_type(tl.int64))
-            # The hint keeps the tail mask in whole words, so 16-byte accesses survive it.
-            count = tl.multiple_of(nbytes // 8, WORD // 8)
-        # chunk is a multiple of BLOCK elements; saying so keeps the mask in whole vectors.
-        start = tl.multiple_of(first_byte // ELEM, BLOCK)
-        stop = tl.minimum(count, start + chunk // ELEM)
-        offsets = tl.arange(0, BLOCK)
-        for step in range(0, stop - start, BLOCK):
-            index = start + tl.multiple_of(step, BLOCK) + offsets
-            mask = index < count
-            # Pointers loaded from memory carry no alignment facts; WORD is what the host checked.
-            src_block = tl.max_contiguous(tl.multiple_of(src_ptr + index, WORD), BLOCK)
-            dst_block = tl.max_contiguous(tl.multiple_of(dst_ptr + index, WORD), BLOCK)
-            tl.store(dst_block, tl.load(src_block, mask=mask), mask=mask)
+        _copy_piece(src, dst, first_byte, nbytes, chunk, WORD, BLOCK)
+
+
+@triton.jit(do_not_specialize=["chunk"])
+def paged_copy_kernel(table, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (s, u): piece u % pieces of page u // pieces of segment s (see the module notes)."""
+    segment = table + 5 * tl.program_id(0).to(tl.int64)  # batch_copy.PAGED_SEGMENT_WORDS
+    unit = tl.program_id(1).to(tl.int64)
+    nbytes = tl.load(segment + 2)  # bytes per page, never 0
+    pieces = (nbytes + chunk - 1) // chunk
+    page = unit // pieces
+    n_pages = tl.load(segment + 4)
+    if page < n_pages:
+        pages = table + tl.load(segment + 3)
+        src = tl.load(segment) + tl.load(pages + page) * nbytes
+        dst = tl.load(segment + 1) + tl.load(pages + n_pages + page) * nbytes
+        _copy_piece(src, dst, (unit - page * pieces) * chunk, nbytes, chunk, WORD, BLOCK)

@@ -51,7 +51,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError
+from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError, PagedCopy, blocks_as_paged, expand_paged
 
 PEER_MAP_TAG = b"dsv41-kv-peer-map-v1"
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t
@@ -227,6 +227,9 @@ class PeerTransport(Protocol):
     def write(self, target: PeerTarget, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """One batch from local sources to translated destinations; returns when it landed."""
 
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        """Paged copies (destinations translated) as one batch; returns when it landed."""
+
     def close(self, opened: Sequence[bytes]) -> None:
         """Give back mappings ``open`` made (reference counted per handle)."""
 
@@ -341,6 +344,9 @@ class CudaIpcTransport:
 
     def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
         self.copier.copy(srcs, dsts, lengths)
+
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -459,6 +465,9 @@ class HostCmaTransport:
                     done_in_entry += wrote
                     wrote = 0
 
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        self.write(target, *expand_paged(copies))
+
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
             self._opened -= 1
@@ -550,9 +559,9 @@ class BoundLayout:
     entries: tuple[tuple[int, int, int], ...]  # (src page 0, local address of dst page 0, bytes per page)
     src_pages: int  # pages every source buffer holds from page 0
     dst_pages: int  # pages every destination buffer holds from page 0, inside the peer map
-    src0: np.ndarray  # int64 columns (entries x 1) of the above, for long calls
-    dst0: np.ndarray
-    item: np.ndarray
+    rows: np.ndarray  # int64 (entries x 3) of the above: the paged copy's entries
+    word: int  # the widest access every address and page size allows
+    max_item: int
 
 
 def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) -> tuple[Optional[BoundLayout], Optional[str]]:
@@ -574,10 +583,13 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
         entries.append((s, found[0], n))
         src_pages.append(room // n)
         dst_pages.append(found[1] // n)
-    column = lambda values: np.array(values, dtype=np.int64)[:, None]  # noqa: E731
-    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages),
-                       column([e[0] for e in entries]), column([e[1] for e in entries]),
-                       column([e[2] for e in entries])), None
+    rows = np.array(entries, dtype=np.int64).reshape(-1, 3)
+    bits = 0
+    for e in entries:
+        bits |= e[0] | e[1] | e[2]
+    word = 16 if bits & 15 == 0 else (8 if bits & 7 == 0 else 1)
+    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), rows, word,
+                       max(e[2] for e in entries)), None
 
 
 _ADDRESS_CEILING = 1 << 62
@@ -646,37 +658,123 @@ PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
 PAGED_NOT_PAGES = "not_pages"
 
 
-def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
-    """One transfer call given as page lists: a peer write of every entry's runs, or why not.
+def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[PagedCopy], Optional[str]]:
+    """(the call's paged copy, None), or (None, why the page path cannot take it).
 
-    No block list: the launch table comes from NumPy (no Python work per
-    block). Returns
-    ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set (nothing
-    written) when the call should take the block path; raises when the copy
-    failed (the request's transfer failure).
+    The per-call check: two integer page lists of one length whose highest
+    page stays inside every buffer on its side (negative pages, seen as
+    unsigned, are the highest of all).
     """
-    runs = page_runs(src_pages, dst_pages)
-    if runs is None:
-        return PeerOutcome(-1, PAGED_NOT_PAGES)
-    entries = bound.entries
-    if len(entries) * len(runs) < min_blocks:
+    p, d = _page_array(src_pages), _page_array(dst_pages)
+    if p is None or d is None or p.shape != d.shape:
+        return None, PAGED_NOT_PAGES
+    top_src = int(p.view(_UNSIGNED[p.dtype.itemsize]).max())
+    top_dst = int(d.view(_UNSIGNED[d.dtype.itemsize]).max())
+    if top_src >= bound.src_pages or top_dst >= bound.dst_pages:
+        if min(int(p.min()), int(d.min())) < 0:
+            return None, PAGED_NOT_PAGES
+        return None, (PAGED_SOURCE_NOT_DEVICE if top_src >= bound.src_pages else PAGED_OUTSIDE_PEER_MAP)
+    return PagedCopy(bound.rows, p, d, bound.word, bound.max_item), None
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _few_blocks(bound: BoundLayout, copy: PagedCopy, min_blocks: int) -> bool:
+    """Would upstream's block list for this call be under ``min_blocks`` blocks?"""
+    entries, pages = len(bound.entries), len(copy.src_pages)
+    if entries * pages < min_blocks:
+        return True
+    if entries >= min_blocks:
+        return False
+    return entries * len(page_runs(copy.src_pages, copy.dst_pages)) < min_blocks
+
+
+def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
+    """One transfer call given as page lists: one peer write of every buffer's pages, or why not.
+
+    No block list: the paged kernel finds each page's address on the device.
+    Returns ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set
+    (nothing written) when the call should take the block path; raises when
+    the copy failed (the request's transfer failure).
+    """
+    copy, why_not = paged_call(bound, src_pages, dst_pages)
+    if copy is None:
+        return PeerOutcome(-1, why_not)
+    if _few_blocks(bound, copy, min_blocks):
         return PeerOutcome(-1, PAGED_FEW_BLOCKS)
-    if runs.src_end > bound.src_pages:
-        return PeerOutcome(-1, PAGED_SOURCE_NOT_DEVICE)
-    if runs.dst_end > bound.dst_pages:
-        return PeerOutcome(-1, PAGED_OUTSIDE_PEER_MAP)
-    # Entry-major blocks (entry k's runs in order, as upstream orders them), as
-    # outer sums of the entry columns and the run rows: a few NumPy calls, even
-    # for one page of 43 buffers (a Python loop there costs several times more).
-    item = bound.item
-    srcs = (bound.src0 + np.asarray(runs.first_src, dtype=np.int64) * item).ravel().view(np.uint64)
-    dsts = (bound.dst0 + np.asarray(runs.first_dst, dtype=np.int64) * item).ravel().view(np.uint64)
-    lengths = (np.asarray(runs.counts, dtype=np.int64) * item).ravel().view(np.uint64)
     target = bound.target
     if not target.acquire():  # retired meanwhile: a newer map replaced it
         return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
     try:
-        target.transport.write(target, srcs, dsts, lengths)
+        target.transport.write_pages(target, [copy])
     finally:
         target.release()
-    return PeerOutcome(0, None, int(lengths.sum()))
+    return PeerOutcome(0, None, len(copy.src_pages) * int(bound.rows[:, 2].sum()))
+
+
+class PeerWrites:
+    """Writes held back until a barrier, then made as one batched copy.
+
+    A request's last sends (its final KV chunk, its state) each cost a launch
+    and a synchronize when written one by one; held here they go as one.
+    ``add_*`` keeps a copy of the page lists and holds the target open (a
+    newer map cannot close it meanwhile); ``flush`` writes everything and
+    returns when it landed, ``discard`` drops it unwritten. Not thread-safe:
+    one per sending thread.
+    """
+
+    def __init__(self):
+        self._copies: list[tuple[PeerTarget, PagedCopy]] = []
+        self.calls = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def add_pages(self, bound: BoundLayout, src_pages, dst_pages) -> Optional[str]:
+        """Hold one call's pages; None, or why the page path cannot take it (nothing held)."""
+        copy, why_not = paged_call(bound, src_pages, dst_pages)
+        if copy is None:
+            return why_not
+        if not bound.target.acquire():
+            return FALLBACK_NO_PEER_MAP
+        # The caller's arrays may change once it returns: hold copies.
+        self._copies.append((bound.target, PagedCopy(copy.entries, np.array(copy.src_pages), np.array(copy.dst_pages),
+                                                     copy.word, copy.max_item)))
+        self.calls += 1
+        self.nbytes += len(copy.src_pages) * int(bound.rows[:, 2].sum())
+        return None
+
+    def add_blocks(self, target: PeerTarget, blocks) -> Optional[str]:
+        """Hold a block list whose destinations lie in ``target``'s map; None, or why not."""
+        srcs, dsts, lengths = as_triples(blocks)
+        local, _ = target.translate(dsts, lengths)
+        if local is None:
+            return FALLBACK_OUTSIDE_PEER_MAP
+        copy = blocks_as_paged(srcs, local, lengths)
+        if not target.acquire():
+            return FALLBACK_NO_PEER_MAP
+        self._copies.append((target, copy))
+        self.calls += 1
+        self.nbytes += int(lengths.sum())
+        return None
+
+    def flush(self) -> int:
+        """Write what is held; the bytes written. Raises when a copy failed (nothing is held after)."""
+        held, self._copies = self._copies, []
+        nbytes, self.calls, self.nbytes = self.nbytes, 0, 0
+        try:
+            # one batch per decode map (a request has one; each transport writes its own way)
+            for target in dict.fromkeys(t for t, _ in held):
+                target.transport.write_pages(target, [c for t, c in held if t is target])
+        finally:
+            for target, _ in held:
+                target.release()
+        return nbytes
+
+    def discard(self) -> None:
+        held, self._copies = self._copies, []
+        self.calls, self.nbytes = 0, 0
+        for target, _ in held:
+            target.release()
