@@ -427,6 +427,57 @@ PATCHES: tuple[Patch, ...] = (
         upstream=None,
         remove_when="with MC-KVS-GRANT-SEND",
     ),
+    Patch(
+        id="MC-KVS-WORKER",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.transfer_worker",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_transfer_worker",
+        roles=roles(Role.SCHEDULER),
+        reason="KV peer writes (SGLANG_DSV41_KV_STAGING=peer), prefill side: the worker's queue "
+        "is wrapped so the plugin knows when the worker sends a request's last chunk; those "
+        "sends (KV, state, device aux) are held and written as one batch before the request is "
+        "concluded (MC-KVS-STATE, MC-KVS-CONCLUDE). Anything still held when the worker takes "
+        "its next chunk is dropped, never written late. A no-op in other modes.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(self, queue: FastQueue, executor: concurrent.futures.ThreadPoolExecutor, staging_buffer=None, worker_index=0)",
+        ast_sha="c864a7361584eb02",
+        upstream=None,
+        remove_when="with MC-KVS-GRANT-SEND",
+    ),
+    Patch(
+        id="MC-KVS-STATE",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_maybe_send_extra",
+        roles=roles(Role.SCHEDULER),
+        reason="KV peer writes, prefill side: the held sends of a last chunk land when the state "
+        "sends return, before upstream checks the room for an abort and counts the chunk as "
+        "drained (the abort acknowledgement waits for that count); a failed write is returned "
+        "as a failed state send, which upstream turns into the request's failure.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(self, req: TransferInfo, prefill_state_indices: List, executor: concurrent.futures.ThreadPoolExecutor, target_rank_registration_info: Optional[KVArgsRegisterInfo]=None)",
+        ast_sha="aeb90c387e6d2288",
+        upstream=None,
+        remove_when="with MC-KVS-GRANT-SEND",
+    ),
+    Patch(
+        id="MC-KVS-CONCLUDE",
+        group="mooncake-nvlink",
+        target="sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.hooks.kv_staging:around_conclude_transfer",
+        roles=roles(Role.SCHEDULER),
+        reason="KV peer writes, prefill side: writes this thread still holds land before a "
+        "success status leaves (a failed write concludes the request as failed instead) and are "
+        "dropped before a failure status. Threads holding nothing pass straight through.",
+        source="none: added here (the original fork sends every block directly)",
+        signature="(self, *, bootstrap_room: int, status: KVPoll, targets: Optional[List[Tuple[str, int]]]=None, failure_reason: Optional[str]=None)",
+        ast_sha="4f077067128c20a2",
+        upstream=None,
+        remove_when="with MC-KVS-GRANT-SEND",
+    ),
     # === mooncake-nvlink entries above this line ===
     # --- pd-handshake: DSpark PD pairing rule for CP and DP-attention layouts
     Patch(

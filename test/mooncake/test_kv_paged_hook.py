@@ -49,6 +49,8 @@ class _IdentityTransport:
         self.writes.append(list(zip(srcs.tolist(), dsts.tolist(), lengths.tolist())))
 
     def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
+        if getattr(self, "fail", False):
+            raise RuntimeError("injected peer write failure")
         self.writes.append(runs_of_paged(copies))
 
     def close(self, opened):
@@ -223,3 +225,134 @@ def test_layer_by_layer_sends_on_upstreams_thread_pool_are_left_alone():
         # one block-path batch per layer (each a peer write of its 5 runs), no page write
         assert _paths(lambda: _send(mgr, src, dst, [256, 256], PAGES, executor=pool)) == {"peer": 2}
     assert sorted(len(w) for w in transport.writes) == [5, 5] and engine == []
+
+
+# --- a last chunk's sends held for one write
+
+
+def _worker_queue():
+    """A transfer worker's queue as the worker hook hands it to upstream's loop."""
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    return kv_staging._ChunkAwareQueue(FastQueue())
+
+
+def _take(queue, last: bool):
+    queue.put(SimpleNamespace(is_last_chunk=last, room=1))
+    return queue.get()
+
+
+def _held_writes() -> dict:
+    return dict(plugin_metrics.totals().get("kv_staging_held_writes", {}))
+
+
+def _delta(before: dict) -> dict:
+    after = _held_writes()
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+@pytest.fixture()
+def worker_thread():
+    """This test's thread plays a transfer worker; nothing held leaks into other tests."""
+    yield
+    kv_staging._held.writes = None
+
+
+def test_a_last_chunks_kv_and_state_sends_land_as_one_write_when_the_state_sends_return(worker_thread):
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    stock, _, _, stock_engine, _ = _manager(4, 4, page_path=False)
+    state_pages = ([1], [2])
+    for m in (stock, None):  # upstream's block lists for the same two sends, then the held path
+        if m is not None:
+            assert _send(m, src, dst, [256] * 4, PAGES) == 0
+            assert _send(m, src, dst, [512] * 4, state_pages, state_type=StateType.SWA,
+                         dst_item_lens=[512] * 4, bootstrap_room=1) == 0
+    queue, before = _worker_queue(), _held_writes()
+    _take(queue, last=True)
+
+    def state_sends(self):  # maybe_send_extra's body: one generic state send
+        rc = _send(self, src, dst, [512] * 4, state_pages, state_type=StateType.SWA,
+                   dst_item_lens=[512] * 4, bootstrap_room=1)
+        assert transport.writes == []  # still held while the state sends run
+        return rc
+
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    assert transport.writes == []
+    assert kv_staging.around_maybe_send_extra(state_sends, mgr) == 0
+    assert transport.writes == [stock_engine[0] + stock_engine[1]] and engine == []
+    assert _delta(before) == {"written": 1}
+    # the next chunk is not a last one: its send is written at once
+    _take(queue, last=False)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    assert len(transport.writes) == 2 and _delta(before) == {"written": 1}
+
+
+def test_held_writes_land_before_a_success_status_and_fail_it_when_they_fail(worker_thread):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    queue, before = _worker_queue(), _held_writes()
+    concluded = []
+
+    def conclude(self, **kw):  # what upstream's conclusion sees when it sends the status
+        concluded.append((kw["status"], kw["failure_reason"], len(transport.writes)))
+
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Success)
+    assert concluded[-1] == (KVPoll.Success, None, 1)  # the bytes before the status
+    # a write that fails turns the success into the request's failure
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    transport.fail = True
+    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Success)
+    status, reason, writes = concluded[-1]
+    assert status == KVPoll.Failed and "peer write" in reason and writes == 1
+    # a failure status: what is held is dropped, nothing written into pages about to be freed
+    transport.fail = False
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Failed,
+                                        failure_reason="decode gone")
+    assert concluded[-1] == (KVPoll.Failed, "decode gone", 1)
+    assert _delta(before) == {"written": 1, "failed": 1, "dropped": 1}
+    assert engine == []
+
+
+def test_held_writes_are_never_written_late_or_after_a_failed_state_send(worker_thread):
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    queue, before = _worker_queue(), _held_writes()
+    # still held when the worker takes its next chunk: dropped, not written
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    _take(queue, last=False)
+    assert transport.writes == [] and _delta(before) == {"dropped": 1}
+    # a state send that failed, or raised: upstream fails the request; the held KV is dropped
+    for body, outcome in ((lambda self: -1, -1), (lambda self: 1 / 0, ZeroDivisionError)):
+        _take(queue, last=True)
+        assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+        if outcome == -1:
+            assert kv_staging.around_maybe_send_extra(body, mgr) == -1
+        else:
+            with pytest.raises(outcome):
+                kv_staging.around_maybe_send_extra(body, mgr)
+    assert transport.writes == [] and _delta(before) == {"dropped": 3}
+    # a held write that fails is a failed state send (upstream then fails the request)
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    transport.fail = True
+    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == -1
+    assert _delta(before) == {"dropped": 3, "failed": 1} and engine == []
+
+
+def test_threads_that_hold_nothing_pass_through_unchanged(worker_thread):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    kv_staging._held.writes = None  # not a transfer worker: sends are written at once
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0 and len(transport.writes) == 1
+    seen = []
+    kv_staging.around_conclude_transfer(lambda self, **kw: seen.append(kw), mgr, bootstrap_room=3,
+                                        status=KVPoll.Success)
+    assert seen == [dict(bootstrap_room=3, status=KVPoll.Success, targets=None, failure_reason=None)]
+    assert kv_staging.around_maybe_send_extra(lambda self, *a: 5, mgr, 1) == 5

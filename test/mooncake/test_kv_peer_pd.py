@@ -6,12 +6,13 @@ buffers in host memory whose "device" classification is injected. Without a
 GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
 decode process): the same registration, map, translation and write path the
 CUDA IPC transport takes. Three runs in parallel:
-- peer: each KV send goes as one peer write built from its page lists
-  (upstream's call learnt by a dry run that reaches no engine), byte-exact,
-  and the decode buffers already hold every byte when the Success status is
-  applied; nothing lands outside the rooms' pages;
-- failing: the third peer write fails (room B's KV send, after room A
-  completed): room B fails on both sides, room A stays byte-exact;
+- peer: each room is one last chunk, so its KV send (from its page lists,
+  upstream's call learnt by a dry run that reaches no engine) and its state
+  send are held and go as one peer write when the state sends return,
+  byte-exact, and the decode buffers already hold every byte when the
+  Success status is applied; nothing lands outside the rooms' pages;
+- failing: the second peer write fails (room B's, after room A completed):
+  room B fails on both sides, room A stays byte-exact;
 - foreign: the decode's map claims another host: the prefill refuses to open
   it and every batch takes the direct path, counted, byte-exact;
 - host entry: one KV buffer is host memory, so the page path steps aside and
@@ -36,9 +37,8 @@ pytestmark = pytest.mark.timeout(600)
 PEER = {"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "2"}
 RUNS = {
     "peer": {"env": PEER},
-    # MIN_BLOCKS 1 sends the one-device-block state batch as a peer write too:
-    # writes are room A KV, room A state, room B KV (fails).
-    "failing": {"env": {**PEER, "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "1"}, "fail_peer_write_at": 3},
+    # one write per room (its KV and state held together): room A's, then room B's (fails)
+    "failing": {"env": PEER, "fail_peer_write_at": 2},
     "foreign": {"env": PEER, "foreign_host": True},
     "host_entry": {"env": PEER, "host_kv_entry": 1},
 }
@@ -71,9 +71,10 @@ def runs(tmp_path_factory):
 def test_peer_writes_are_byte_exact_and_land_before_status(runs):
     assert_exact_and_in_place_at_status(runs["peer"])
     r = runs["peer"]
-    # Each KV send as one peer write from its page lists; the one-block state
-    # batches below MIN_BLOCKS went direct.
-    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
+    # Each KV send from its page lists and the one-block state batch (under MIN_BLOCKS, which
+    # held sends ignore: they cost no launch of their own) held, then one write per request.
+    assert _batches(r, "prefill") == {"peer_pages": 2, "peer": 2}
+    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
     assert r["prefill"]["peer_writes"] == 2
     assert r["prefill"]["open_peer_maps"] == 1
     assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"peer_map": 1}
@@ -95,8 +96,9 @@ def test_a_failed_peer_write_fails_that_request_only(runs):
     assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
     assert r["prefill"]["status_B"] == "failed"
     assert r["decode"]["status_B"] == "failed"
-    # room A's KV from its pages, room A's one-block state through the block path, room B's KV fails
-    assert _batches(r, "prefill") == {"peer_pages": 1, "peer": 1, "failed": 1}
+    # both rooms' sends were held; room B's write failed and failed its transfer
+    assert _batches(r, "prefill") == {"peer_pages": 2, "peer": 2}
+    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 1, "failed": 1}
 
 
 def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
@@ -104,7 +106,7 @@ def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
     for room in ("A", "B"):
         assert r["prefill"][f"status_{room}"] == "success"
         assert r["decode"][f"mismatch_{room}"] == []
-    assert _batches(r, "prefill") == {"peer_map_unusable": 2, "few_blocks": 2}
+    assert _batches(r, "prefill") == {"peer_map_unusable": 4}  # KV and state of both rooms
     assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
 
 
@@ -117,5 +119,7 @@ def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
     # room B's host frames (its kv1 pages among them) are the harness's held-back negative control
     assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "kv1", "state1"]
     assert r["decode"]["stray_writes"] == []
-    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    # the device blocks of each KV send and its state block, held and written together
+    assert _batches(r, "prefill") == {"peer": 4}
+    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
     assert r["decode"]["host_messages_written"] >= 2

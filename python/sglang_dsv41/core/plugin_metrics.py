@@ -99,6 +99,11 @@ SERIES: Tuple[Series, ...] = (
            "path, labelled with why neither was used.",
            "staged, peer, peer_pages, failed, no_grant, few_blocks, block_larger_than_slot, busy, "
            "slot_retired, no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
+    Series("kv_staging_held_writes", "counter", "outcome",
+           "Prefill, peer mode: a request's last sends (final KV chunk, state) held and written "
+           "as one peer write before its status: written, failed (the request's transfer "
+           "failed), or dropped (held past the end of its chunk, never written: the request "
+           "was not concluded as a success).", "written, failed, dropped"),
     Series("kv_staging_scatters", "counter", "outcome",
            "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
            "(the prefill's transfer then fails).", "done, refused"),
@@ -210,7 +215,7 @@ def count_side_channel_drop(direction: str) -> None:
 
 
 def count_kv_staging(series: str, label: str) -> None:
-    """One KV staging event: ``series`` is kv_staging_batches, _scatters or _grants."""
+    """One KV staging event: ``series`` is kv_staging_batches, _held_writes, _scatters or _grants."""
     _add(series, label)
 
 

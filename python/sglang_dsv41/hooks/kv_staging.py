@@ -59,6 +59,7 @@ from sglang_dsv41.core.peer_copy import (
     PeerMapError,
     PeerTarget,
     PeerTransport,
+    PeerWrites,
     encode_peer_map,
     bind_layout,
     find_peer_map,
@@ -365,6 +366,10 @@ def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
     if target is None:
         plugin_metrics.count_kv_staging("kv_staging_batches", why_not)
         return write(blocks)
+    held = _holding()
+    if held is not None and held.add_blocks(target, blocks) is None:
+        plugin_metrics.count_kv_staging("kv_staging_batches", "peer")
+        return 0
     try:
         outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
@@ -380,6 +385,8 @@ def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
     state = state_of(manager)
     if state is None or (state.sender is None and state.transport is None):
         return write(blocks)
+    if state.transport is not None and _holding() is not None:  # held: joins one write, any size
+        return _send_peer(manager, state, session_id, blocks, write)
     if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
         plugin_metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
         return write(blocks)
@@ -536,8 +543,16 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
             logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
                         "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
     bound = checked[1]
-    if bound is None or len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
-        return original(self, **call)  # (the second: too few blocks however the pages run)
+    if bound is None:
+        return original(self, **call)
+    held = _holding()
+    if held is not None:
+        if held.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
+            return original(self, **call)  # pages this layout cannot take: the block path (still held)
+        plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+        return 0
+    if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
+        return original(self, **call)  # too few blocks however the pages run
     try:
         outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
@@ -549,6 +564,112 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         return original(self, **call)
     plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
     return 0
+
+
+# --- prefill: a request's last sends held for one write (peer mode) ------------------------
+#
+# Each send call written on its own costs a launch and a synchronize; a request's
+# last chunk makes three or four (its KV, then the state). On a transfer worker
+# thread, the sends of a last chunk are held (``PeerWrites``) and written as one
+# batch before anything can tell the decode, or the prefill's scheduler, that
+# the request is done:
+# - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
+#   the room for an abort and before it counts the chunk as drained (the abort
+#   acknowledgement waits for that count);
+# - when a transfer is concluded (success or failure), on this thread: the
+#   status goes out after the bytes. A failed write turns a success into the
+#   request's failure;
+# - when the worker takes its next chunk, anything still held is dropped, never
+#   written late (no path is known to leave writes there; counted if one does).
+# Non-last chunks are written at once: nothing else of theirs follows.
+
+_held = threading.local()
+
+
+def _holding() -> Optional[PeerWrites]:
+    """This thread's held writes while it sends a last chunk in peer mode, else None."""
+    return getattr(_held, "writes", None)
+
+
+def _flush_held(where: str) -> Optional[str]:
+    """Write this thread's held writes; None, or why they failed (the request's failure)."""
+    held = _holding()
+    if held is None or not len(held):
+        return None
+    calls = held.calls
+    try:
+        held.flush()
+    except Exception as exc:
+        plugin_metrics.count_kv_staging("kv_staging_held_writes", "failed")
+        logger.error("[sglang-dsv41] KV peer write of %d held sends (%s) failed: %s: %s",
+                     calls, where, type(exc).__name__, exc)
+        return f"KV peer write of a request's last sends failed: {type(exc).__name__}: {exc}"
+    plugin_metrics.count_kv_staging("kv_staging_held_writes", "written")
+    return None
+
+
+def _drop_held(why: str) -> None:
+    held = _holding()
+    if held is not None and len(held):
+        plugin_metrics.count_kv_staging("kv_staging_held_writes", "dropped")
+        logger.warning("[sglang-dsv41] KV peer writes: %d held sends dropped unwritten (%s)", held.calls, why)
+        held.discard()
+
+
+class _ChunkAwareQueue:
+    """A transfer worker's queue that tells this module which chunk the worker took."""
+
+    def __init__(self, queue):
+        self._queue = queue
+
+    def get(self, *args, **kwargs):
+        _drop_held("the worker took its next chunk")
+        _held.writes = None
+        chunk = self._queue.get(*args, **kwargs)
+        if getattr(chunk, "is_last_chunk", False):
+            _held.writes = _held.pool = getattr(_held, "pool", None) or PeerWrites()
+        return chunk
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+def around_transfer_worker(original, self, queue, *args, **kwargs):
+    """AROUND MooncakeKVManager.transfer_worker: in peer mode, hold a last chunk's sends for one write."""
+    state = state_of(self)
+    if state is None or state.transport is None:
+        return original(self, queue, *args, **kwargs)
+    return original(self, _ChunkAwareQueue(queue), *args, **kwargs)
+
+
+def around_maybe_send_extra(original, self, *args, **kwargs):
+    """AROUND MooncakeKVManager.maybe_send_extra: the held KV and state sends land before it returns."""
+    if _holding() is None:
+        return original(self, *args, **kwargs)
+    try:
+        rc = original(self, *args, **kwargs)
+    except BaseException:
+        _drop_held("the state sends raised")
+        raise
+    if rc != 0:  # upstream fails the request: nothing more goes into its pages
+        _drop_held("a state send failed")
+        return rc
+    return -1 if _flush_held("state sends") is not None else 0
+
+
+def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=None, failure_reason=None):
+    """AROUND CommonKVManager.conclude_transfer: this thread's held writes land before the status."""
+    if _holding() is not None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Success:
+            failed = _flush_held("conclusion")
+            if failed is not None:
+                status, failure_reason = KVPoll.Failed, failed
+        else:  # the request failed: its pages are about to be released, write nothing more
+            _drop_held("the transfer failed")
+    return original(self, bootstrap_room=bootstrap_room, status=status, targets=targets,
+                    failure_reason=failure_reason)
 
 
 # --- decode: one staged-blocks message -----------------------------------------------------
