@@ -41,7 +41,11 @@ engine pair and buffers, in interleaved rounds:
               ``send_paged_batch``, no block list, no router pass; the call's
               layout is built and checked beforehand, as the plugin does once
               per kind of call; a call under --peer-min-blocks blocks goes as
-              ``peer``.
+              ``peer``;
+- held:       as the plugin sends a request on a transfer worker in peer mode:
+              the KV calls of earlier chunks as in ``pages``, then the last
+              chunk's KV call and the state calls held (``PeerWrites``) and
+              written as one batch, as before the request's status.
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -733,7 +737,7 @@ def run_dsv41_sender(args) -> None:
         import numpy as np
 
         from sglang_dsv41.core.mooncake_routing import KindTable
-        from sglang_dsv41.core.peer_copy import PagedLayout, bind_layout, send_paged_batch
+        from sglang_dsv41.core.peer_copy import PagedLayout, PeerWrites, bind_layout, send_paged_batch
 
         kinds = KindTable(plan.classified, memory.kind_of)
 
@@ -748,6 +752,29 @@ def run_dsv41_sender(args) -> None:
                     rc = peer_path(blocks)
                     if rc != 0:
                         return rc
+                return 0
+            return run
+
+        held = PeerWrites()
+
+        def held_request(paged):
+            """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
+            last chunk's KV and the state calls held and written as one batch (before the status)."""
+            earlier, last = paged[:-3], paged[-3:]  # a request ends with its last KV call and two state calls
+            run_earlier = pages_request(earlier)
+
+            def run():
+                rc = run_earlier()
+                if rc != 0:
+                    return rc
+                for bound, src_pages, dst_pages, _ in last:
+                    why_not = held.add_pages(bound, src_pages, dst_pages)
+                    if why_not is not None:
+                        held.discard()
+                        raise RuntimeError(f"a held call was refused: {why_not}")
+                    peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
+                held.flush()
+                peer_counts["held_writes"] = peer_counts.get("held_writes", 0) + 1
                 return 0
             return run
 
@@ -784,6 +811,7 @@ def run_dsv41_sender(args) -> None:
                     raise RuntimeError(f"{name}: the page path cannot serve a call of this request: {why_not}")
                 paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks))
             paths["pages"] = pages_request(paged)
+            paths["held"] = held_request(paged)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
@@ -822,7 +850,7 @@ def run_dsv41_sender(args) -> None:
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
         moving = ["routed"] + (["staged"] if staged is not None and not args.staging_null_scatter else [])
-        moving += ["peer", "pages"] if peer_path is not None else []
+        moving += ["peer", "pages", "held"] if peer_path is not None else []
         ways_of = {}
         for k in moving:
             channel.send([b"CLEAR"])
@@ -850,7 +878,7 @@ def run_dsv41_sender(args) -> None:
             row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
             row["staged_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples["staged"]))
-        for k in ("peer", "pages") if peer_path is not None else ():
+        for k in ("peer", "pages", "held") if peer_path is not None else ():
             row[f"{k}_x_contiguous"] = row[f"{k}_us"] / row["contiguous_us"]
             row[f"{k}_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples[k]))
@@ -862,7 +890,8 @@ def run_dsv41_sender(args) -> None:
             + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
                if staged is not None else "")
             + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous), pages "
-               f"{row['pages_us']:.0f} us ({row['pages_x_contiguous']:.1f}x)" if peer_path is not None else "")
+               f"{row['pages_us']:.0f} us ({row['pages_x_contiguous']:.1f}x), held {row['held_us']:.0f} us "
+               f"({row['held_x_contiguous']:.1f}x)" if peer_path is not None else "")
             + f", exact {exact}")
     # The side channel's own round trip, for reading the staged path's ack wait.
     pings = []
@@ -948,7 +977,7 @@ def print_dsv41(run: dict, title: str) -> None:
         print("send: the whole staging call (gather + write + notify + ack wait + Python); "
               "ack wait includes the receiver's handling; side channel round trip alone: "
               f"{run.get('channel_round_trip_us', float('nan')):.0f} us")
-    for path in ("peer", "pages"):
+    for path in ("peer", "pages", "held"):
         if not any(f"{path}_us" in r for r in run["rows"]):
             continue
         print(f"\n{'request':>16} {path + ' us':>9} {'contig us':>10} {path + ' x contig':>15} "
@@ -962,10 +991,14 @@ def print_dsv41(run: dict, title: str) -> None:
             print(f"peer: routing, then one batched copy into the receiver's exported buffers per batch of "
                   f">= {run.get('peer_min_blocks', '?')} device blocks, smaller batches direct; ways: how "
                   "one request's device batches went (peer write, or the direct path and why)")
-        else:
-            print("pages: the plugin's page path: each send call written from its page lists with one "
-                  "batched copy (no block list, no router pass), calls under the threshold as peer; "
+        elif path == "pages":
+            print("pages: each send call written on its own from its page lists with one launch of the "
+                  "paged kernel (no block list, no router pass), calls under the threshold as peer; "
                   "ways: peer_pages per call so written")
+        else:
+            print("held: what the plugin does on a transfer worker: earlier chunks' KV calls as in pages, "
+                  "the last chunk's KV call and the state calls held and written as one batch; ways: "
+                  "calls, and held writes (one per request)")
         print_peer_goals({r["case"]: r[f"{path}_x_contiguous"] for r in run["rows"] if f"{path}_us" in r},
                          path=path)
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
@@ -994,7 +1027,8 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
                     "stock_us", "routed_us", "contiguous_us", "staged_us", "staged_x_contiguous",
                     "staged_over_stock", "peer_us", "peer_x_contiguous", "peer_over_stock",
-                    "pages_us", "pages_x_contiguous", "pages_over_stock"):
+                    "pages_us", "pages_x_contiguous", "pages_over_stock",
+                    "held_us", "held_x_contiguous", "held_over_stock"):
             if key not in first:
                 continue
             vals = [r[key] for r in rows]
@@ -1193,7 +1227,7 @@ def main_dsv41(args) -> None:
                 a, b = e["staged_x_contiguous"], e["staged_over_stock"]
                 print(f"{e['case']:>16} {a['median']:10.1f}x [{a['min']:.1f} - {a['max']:.1f}] "
                       f"{b['median']:10.2f} [{b['min']:.2f} - {b['max']:.2f}]")
-        for path in ("peer", "pages"):
+        for path in ("peer", "pages", "held"):
             if f"{path}_x_contiguous" not in summary[0]:
                 continue
             print(f"\n{'request':>16} {path + ' us':>24} {path + ' x contiguous':>24} {'stock / ' + path:>24}")

@@ -7,8 +7,9 @@ them and times, for transfer batches shaped like a DeepSeek-V4.1 request's
 ``core.peer_copy.send_peer_batch``: turning the engine's block list into
 arrays, translating the destinations into the mapping, the batched copy
 (launch-table upload, kernel, synchronize), and the whole call. Then the page
-path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: finding the
-page runs, the batched copy of the call's table, the whole call. Medians of
+path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: checking the
+call, the paged copy, the whole call, holding it (``PeerWrites``); and a
+request's last sends held and written as one. Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 
     PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
@@ -128,35 +129,61 @@ SEND_CALLS = (
 
 
 def paged_costs(args, peer, target, copier, src) -> None:
-    """The page path per send call: finding the runs, the batched copy, the whole call."""
-    from sglang_dsv41.core.peer_copy import PagedLayout, bind_layout, page_runs, send_paged_batch
+    """The page path per send call: the call's check, the paged copy, the whole call, holding it;
+    then a request's last sends held and written as one."""
+    from sglang_dsv41.core.peer_copy import PagedLayout, PeerWrites, bind_layout, paged_call, send_paged_batch
 
     span = REGION_BYTES // 64  # each buffer's share of the regions (43 buffers fit)
     end = src.data_ptr() + src.numel()
-    steps = ("runs", "batched copy", "whole call")
+    steps = ("check", "paged copy", "whole call", "hold")
     results: dict[str, list[list[float]]] = {}
+    bound_calls = {}
+    for name, items, sp, dp in SEND_CALLS:
+        entries = [(src.data_ptr() + k * span, peer.regions[k % REGIONS].ptr + (k // REGIONS) * span, n)
+                   for k, n in enumerate(items)]
+        bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: end - addr)
+        if bound is None:
+            raise RuntimeError(f"{name}: {why_not}")
+        bound_calls[name] = (bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32))
+    held = PeerWrites()
+
+    def hold(bound, sp_, dp_):
+        held.add_pages(bound, sp_, dp_)
+        held.discard()
+
+    def request(names):
+        def run():
+            for n in names:
+                held.add_pages(*bound_calls[n])
+            held.flush()
+        return run
+
+    requests = {"last 8k chunk + window state": ("8k KV, contiguous", "window state, 43 x 1 page"),
+                "last 16k chunk fragmented + window state": ("16k KV chunk, fragmented",
+                                                             "window state, 43 x 1 page")}
     for run in range(args.runs):
         print(f"\npage path, run {run + 1} of {args.runs} (us, median of {args.iters} calls)")
         print(f"  {'send call':>26} " + " ".join(f"{s:>13}" for s in steps))
-        for name, items, sp, dp in SEND_CALLS:
-            entries = [(src.data_ptr() + k * span, peer.regions[k % REGIONS].ptr + (k // REGIONS) * span, n)
-                       for k, n in enumerate(items)]
-            bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: end - addr)
-            if bound is None:
-                raise RuntimeError(f"{name}: {why_not}")
-            sp_, dp_ = np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32)
-            table = [(s + p * n, d + q * n, n) for s, d, n in bound.entries for p, q in zip(sp, dp)]
-            srcs, dsts, lengths = (np.array(c, dtype=np.uint64) for c in zip(*table))
+        for name, (bound, sp_, dp_) in bound_calls.items():
+            copy = paged_call(bound, sp_, dp_)[0]
             row = [
-                _median_us(lambda: page_runs(sp_, dp_), args.iters),
-                _median_us(lambda: copier.copy(srcs, dsts, lengths), args.iters),
+                _median_us(lambda: paged_call(bound, sp_, dp_), args.iters),
+                _median_us(lambda: copier.copy_pages([copy]), args.iters),
                 _median_us(lambda: send_paged_batch(bound, sp_, dp_, 1), args.iters),
+                _median_us(lambda: hold(bound, sp_, dp_), args.iters),
             ]
             results.setdefault(name, []).append(row)
             print(f"  {name:>26} " + " ".join(f"{v:>13.1f}" for v in row))
+        for name, names in requests.items():
+            t = _median_us(request(names), args.iters)
+            results.setdefault(name, []).append([t])
+            print(f"  held and written as one: {name}: {t:.1f}")
     print(f"\npage path over {args.runs} runs: min - max (us)")
     print(f"  {'send call':>26} " + " ".join(f"{s:>13}" for s in steps))
     for name, rows in results.items():
+        if name in requests:
+            print(f"  held and written as one: {name}: {min(r[0] for r in rows):.0f}-{max(r[0] for r in rows):.0f}")
+            continue
         print(f"  {name:>26} " + " ".join(f"{min(c):.0f}-{max(c):.0f}".rjust(13) for c in zip(*rows)))
 
 

@@ -243,3 +243,56 @@ def test_allocations_are_segment_bases_for_engine_registration(copier):
     got = copier.allocate(8 << 20)
     starts = {seg["address"] for seg in torch.cuda.memory_snapshot() if seg.get("device") == copier.device}
     assert got.ptr in starts
+
+
+# --- the paged kernel
+
+
+def _random_paged_offsets(rng, align: int, calls: int, max_pages: int, pool: int):
+    """(entries as offsets, src pages, dst pages) per call over disjoint destination buffers."""
+    out, src_at, dst_at = [], 0, 0
+    for _ in range(calls):
+        pages = int(rng.integers(1, max_pages + 1))
+        span = pages + int(rng.integers(0, 8))
+        rows = []
+        for _ in range(int(rng.integers(1, 21))):
+            item = max(align, int(np.exp(rng.uniform(np.log(16), np.log(100_000)))) // align * align)
+            rows.append((src_at % (SRC_POOL - span * item), dst_at, item))
+            src_at += span * item + align
+            dst_at += span * item + 3 * align
+        assert dst_at <= pool, "destination pool too small for the random copies"
+        out.append((rows, rng.permutation(span)[:pages], rng.permutation(span)[:pages]))
+    return out
+
+
+@pytest.mark.parametrize("align", [16, 8, 1])
+def test_random_paged_copies_are_byte_exact(copier, pools, align):
+    from sglang_dsv41.core.batch_copy import expand_paged, paged_copy
+
+    src, dst = pools
+    rng = np.random.default_rng(align)
+    specs = _random_paged_offsets(rng, align, calls=4, max_pages=64, pool=dst.numel())
+    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
+              for rows, sp, dp in specs]
+    dst.random_(0, 256)
+    s, d, n = expand_paged(copies)
+    want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
+                     (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
+    torch.cuda.synchronize()
+    copier.copy_pages(copies)
+    assert torch.equal(dst, want)
+
+
+def test_a_page_list_longer_than_a_grid_row_is_copied_whole(copier, pools):
+    from sglang_dsv41.core.batch_copy import paged_copy
+
+    src, dst = pools
+    pages = 70_000  # one 32 KiB piece each: more than a grid row takes
+    rng = np.random.default_rng(3)
+    sp, dp = rng.permutation(pages), rng.permutation(pages)
+    dst.zero_()
+    torch.cuda.synchronize()
+    copier.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 1024)], sp, dp)])
+    got = dst[:pages * 1024].view(pages, 1024)
+    want = src[:pages * 1024].view(pages, 1024)[torch.from_numpy(sp).cuda()]
+    assert torch.equal(got[torch.from_numpy(dp).cuda()], want)

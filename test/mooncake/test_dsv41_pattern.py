@@ -155,10 +155,14 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
     # The page path: the same calls written from their page lists (byte-exact above).
     assert rows["8k runs of 8"]["pages_batches"] == {"peer_pages": 2, "few_blocks": 1}
     assert rows["state alone"]["pages_batches"] == {"peer_pages": 1, "few_blocks": 1}
+    # Held: the request's calls (its one KV chunk is the last) written as one batch, the small
+    # request-state call included.
+    assert rows["8k runs of 8"]["held_batches"] == {"peer_pages": 3, "held_writes": 1}
+    assert rows["state alone"]["held_batches"] == {"peer_pages": 2, "held_writes": 1}
     assert result["peer_min_blocks"] == 8
     assert result["runs"][0]["memory_backend"] == "InjectedKinds"
     assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
-    assert "stock/peer" in proc.stdout and "stock/pages" in proc.stdout
+    assert "stock/peer" in proc.stdout and "stock/pages" in proc.stdout and "stock/held" in proc.stdout
 
 
 @pytest.mark.timeout(300)
@@ -171,6 +175,7 @@ def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
     row = json.loads(out.read_text())["runs"][0]["rows"][0]
     assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 2}
     assert row["pages_batches"] == {"few_blocks": 2}
+    assert row["held_batches"] == {"peer_pages": 2, "held_writes": 1}  # no threshold: one write anyway
     proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
                       "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
