@@ -26,6 +26,7 @@ from sglang_dsv41.core.peer_copy import (
     PeerMapError,
     PeerRegion,
     PeerTarget,
+    PeerWrites,
     encode_peer_map,
     find_peer_map,
     bind_layout,
@@ -260,6 +261,53 @@ def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
     assert bind_layout(last_bytes, target, device)[1] == FALLBACK_OUTSIDE_PEER_MAP
     assert bind_layout(PagedLayout.of([(0x50000, 0x100000, 0)]), target, device)[1] == "not_pages"
     assert bind_layout(PagedLayout.of([(1 << 63, 0x100000, 0x100)]), target, lambda a: 1 << 20)[1] == "not_pages"
+
+
+def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
+    rec = _Recorder()
+    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    bound, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]),
+                           target, _device((0x50000, 0x10000), (0x60000, 0x10000)))
+    held = PeerWrites()
+    src, dst = np.array([1, 2, 3], np.int32), np.array([7, 8, 20], np.int32)
+    assert held.add_pages(bound, src, dst) is None
+    assert held.add_blocks(target, [(0x50010, 0x100800, 0x40)]) is None
+    src[:] = 0  # the caller's arrays change after the call: what is held does not
+    # refused without holding anything: pages past a buffer, a block outside the map
+    assert held.add_pages(bound, src, np.array([1, 2, 0xC0])) == FALLBACK_OUTSIDE_PEER_MAP
+    assert held.add_blocks(target, [(0x50000, 0x1FFF0, 0x20)]) == FALLBACK_OUTSIDE_PEER_MAP
+    assert len(held) == 2 and held.calls == 2 and held.nbytes == 3 * 0x200 + 0x40
+    target.retire()  # a newer map arrived: the mapping stays open for what is held
+    assert rec.closed == [] and rec.writes == []
+    assert held.flush() == 3 * 0x200 + 0x40
+    (srcs, dsts, lengths), = rec.writes  # one batch: both calls
+    assert list(zip(srcs, dsts, lengths)) == [
+        (0x50100, 0x7000700, 0x200), (0x50300, 0x7001400, 0x100),  # entry 0: pages 1-2 -> 7-8, 3 -> 20
+        (0x60100, 0x7004700, 0x200), (0x60300, 0x7005400, 0x100),  # entry 1
+        (0x50010, 0x7000800, 0x40)]
+    assert rec.closed == [[b"handle"]] and len(held) == 0
+    assert held.add_pages(bound, src, dst) == FALLBACK_NO_PEER_MAP  # retired: nothing more held
+    # discard: nothing written, the map released
+    target2 = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"second"])
+    assert held.add_blocks(target2, [(0x50010, 0x100800, 0x40)]) is None
+    held.discard()
+    target2.retire()
+    assert len(rec.writes) == 1 and rec.closed[-1] == [b"second"]
+
+
+def test_a_failed_held_write_raises_and_releases_its_map():
+    class Failing(_Recorder):
+        def write_pages(self, target, copies):
+            raise OSError("device lost")
+
+    rec = Failing()
+    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    held = PeerWrites()
+    assert held.add_blocks(target, [(0x50010, 0x100800, 0x40)]) is None
+    target.retire()
+    with pytest.raises(OSError):
+        held.flush()
+    assert rec.closed == [[b"handle"]] and len(held) == 0 and held.nbytes == 0
 
 
 # --- the host transport, against a real second process

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -116,24 +116,38 @@ PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table (batch_co
 _MAX_UNITS = 65535  # a grid's y limit: pages x pieces of one segment
 
 
-@dataclass(frozen=True)
-class PagedCopy:
+class PagedCopy(NamedTuple):
     """Pages of several buffers moved with one list of page pairs.
 
-    ``entries``: C-contiguous int64 rows (page-0 address at the source, page-0
-    address at the destination, bytes per page), one per buffer;
+    ``segments``: C-contiguous int64 rows, one per buffer, whose first three
+    columns are (page-0 address at the source, page-0 address at the
+    destination, bytes per page); the last two are the kernel table's page
+    offset and count, filled in per launch (``paged_segments`` builds it).
     ``src_pages``/``dst_pages``: equal-length integer arrays. Page
-    ``src_pages[k]`` of every entry goes to its page ``dst_pages[k]``. A block
-    list is the case of one pair (0, 0) with an entry per block. Build it with
-    ``paged_copy`` (which checks it) unless the caller checked the same facts
-    (``core.peer_copy`` does, once per layout).
+    ``src_pages[k]`` of every buffer goes to its page ``dst_pages[k]``. A
+    block list is the case of one pair (0, 0) with a buffer per block. Build it
+    with ``paged_copy`` (which checks it) unless the caller checked the same
+    facts (``core.peer_copy`` does, once per layout). A named tuple: one is
+    made per send call.
     """
 
-    entries: np.ndarray
+    segments: np.ndarray
     src_pages: np.ndarray
     dst_pages: np.ndarray
     word: int  # the widest access every address and page size allows
     max_item: int  # the largest bytes per page
+    page_bytes: int  # bytes one page pair moves over every buffer
+
+    @property
+    def entries(self) -> np.ndarray:
+        return self.segments[:, :3]
+
+
+def paged_segments(rows: np.ndarray) -> np.ndarray:
+    """The (buffers x PAGED_SEGMENT_WORDS) template of ``rows`` (buffers x 3, int64)."""
+    out = np.zeros((len(rows), PAGED_SEGMENT_WORDS), dtype=np.int64)
+    out[:, :3] = rows
+    return out
 
 
 _ONE_PAIR = np.zeros(1, dtype=np.int64)
@@ -149,7 +163,7 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     if sp.ndim != 1 or sp.shape != dp.shape or sp.dtype.kind not in "iu" or dp.dtype.kind not in "iu":
         raise BatchCopyError("paged copy page lists must be two integer arrays of one length")
     if not len(rows) or not len(sp):
-        return PagedCopy(rows, sp, dp, 16, 0)
+        return PagedCopy(paged_segments(rows), sp, dp, 16, 0, 0)
     if rows.min() <= 0:
         raise BatchCopyError("paged copy entries need non-null addresses and positive bytes per page")
     if min(int(sp.min()), int(dp.min())) < 0:
@@ -158,7 +172,8 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     top = int(rows[:, :2].max()) + (max(int(sp.max()), int(dp.max())) + 1) * item
     if top >= _ADDRESS_LIMIT or item > _LENGTH_LIMIT:
         raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
-    return PagedCopy(rows, sp, dp, _word_of(int(np.bitwise_or.reduce(rows.ravel()))), item)
+    return PagedCopy(paged_segments(rows), sp, dp, _word_of(int(np.bitwise_or.reduce(rows.ravel()))), item,
+                     int(rows[:, 2].sum()))
 
 
 def blocks_as_paged(srcs, dsts, lengths) -> PagedCopy:
@@ -199,7 +214,7 @@ def _bounded_pages(copies: Sequence[PagedCopy], min_chunk: int) -> list[PagedCop
             out.append(c)
             continue
         for k in range(0, n, most):
-            out.append(PagedCopy(c.entries, c.src_pages[k:k + most], c.dst_pages[k:k + most], c.word, c.max_item))
+            out.append(c._replace(src_pages=c.src_pages[k:k + most], dst_pages=c.dst_pages[k:k + most]))
     return out
 
 
@@ -210,23 +225,26 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], min_chunk: int) -> tu
     grid row). ``reserve(nbytes)`` returns a uint64 array of at least
     ``nbytes`` bytes.
     """
-    segments = sum(len(c.entries) for c in copies)
+    segments = sum(len(c.segments) for c in copies)
     words = PAGED_SEGMENT_WORDS * segments + 2 * sum(len(c.src_pages) for c in copies)
     table = reserve(8 * words).view(np.int64)
     rows = table[:PAGED_SEGMENT_WORDS * segments].reshape(segments, PAGED_SEGMENT_WORDS)
     row = 0
     at = PAGED_SEGMENT_WORDS * segments
     word, item, pages = 16, 0, 0
-    for c in copies:
-        e, n = len(c.entries), len(c.src_pages)
+    for c in copies:  # three NumPy writes per copy: the hot path of a held request's flush
+        e, n = len(c.segments), len(c.src_pages)
         seg = rows[row:row + e]
-        seg[:, :3] = c.entries
-        seg[:, 3] = at
-        seg[:, 4] = n
-        table[at:at + n] = c.src_pages
-        table[at + n:at + 2 * n] = c.dst_pages
+        seg[:] = c.segments
+        seg[:, 3:] = (at, n)
+        np.concatenate((c.src_pages, c.dst_pages), out=table[at:at + 2 * n])
         row, at = row + e, at + 2 * n
-        word, item, pages = min(word, c.word), max(item, c.max_item), max(pages, n)
+        if c.word < word:
+            word = c.word
+        if c.max_item > item:
+            item = c.max_item
+        if n > pages:
+            pages = n
     chunk = min_chunk
     while pages * -(-item // chunk) > _MAX_UNITS:
         chunk *= 2

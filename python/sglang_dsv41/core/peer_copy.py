@@ -51,7 +51,14 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from sglang_dsv41.core.batch_copy import BatchCopy, BatchCopyError, PagedCopy, blocks_as_paged, expand_paged
+from sglang_dsv41.core.batch_copy import (
+    BatchCopy,
+    BatchCopyError,
+    PagedCopy,
+    blocks_as_paged,
+    expand_paged,
+    paged_segments,
+)
 
 PEER_MAP_TAG = b"dsv41-kv-peer-map-v1"
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t
@@ -559,9 +566,10 @@ class BoundLayout:
     entries: tuple[tuple[int, int, int], ...]  # (src page 0, local address of dst page 0, bytes per page)
     src_pages: int  # pages every source buffer holds from page 0
     dst_pages: int  # pages every destination buffer holds from page 0, inside the peer map
-    rows: np.ndarray  # int64 (entries x 3) of the above: the paged copy's entries
+    segments: np.ndarray  # int64 (entries x 5): the above as the paged copy's segment template
     word: int  # the widest access every address and page size allows
     max_item: int
+    page_bytes: int  # bytes one page pair moves over every entry
 
 
 def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) -> tuple[Optional[BoundLayout], Optional[str]]:
@@ -588,8 +596,8 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     for e in entries:
         bits |= e[0] | e[1] | e[2]
     word = 16 if bits & 15 == 0 else (8 if bits & 7 == 0 else 1)
-    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), rows, word,
-                       max(e[2] for e in entries)), None
+    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows), word,
+                       max(e[2] for e in entries), sum(e[2] for e in entries)), None
 
 
 _ADDRESS_CEILING = 1 << 62
@@ -674,7 +682,7 @@ def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[Paged
         if min(int(p.min()), int(d.min())) < 0:
             return None, PAGED_NOT_PAGES
         return None, (PAGED_SOURCE_NOT_DEVICE if top_src >= bound.src_pages else PAGED_OUTSIDE_PEER_MAP)
-    return PagedCopy(bound.rows, p, d, bound.word, bound.max_item), None
+    return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes), None
 
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -710,7 +718,7 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
         target.transport.write_pages(target, [copy])
     finally:
         target.release()
-    return PeerOutcome(0, None, len(copy.src_pages) * int(bound.rows[:, 2].sum()))
+    return PeerOutcome(0, None, len(copy.src_pages) * bound.page_bytes)
 
 
 class PeerWrites:
@@ -740,10 +748,10 @@ class PeerWrites:
         if not bound.target.acquire():
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies.
-        self._copies.append((bound.target, PagedCopy(copy.entries, np.array(copy.src_pages), np.array(copy.dst_pages),
-                                                     copy.word, copy.max_item)))
+        self._copies.append((bound.target, copy._replace(src_pages=np.array(copy.src_pages),
+                                                         dst_pages=np.array(copy.dst_pages))))
         self.calls += 1
-        self.nbytes += len(copy.src_pages) * int(bound.rows[:, 2].sum())
+        self.nbytes += len(copy.src_pages) * bound.page_bytes
         return None
 
     def add_blocks(self, target: PeerTarget, blocks) -> Optional[str]:
