@@ -296,3 +296,28 @@ def test_a_page_list_longer_than_a_grid_row_is_copied_whole(copier, pools):
     got = dst[:pages * 1024].view(pages, 1024)
     want = src[:pages * 1024].view(pages, 1024)[torch.from_numpy(sp).cuda()]
     assert torch.equal(got[torch.from_numpy(dp).cuda()], want)
+
+
+@pytest.mark.parametrize("launcher", ["direct", "triton"])
+def test_paged_copies_are_exact_through_either_launcher(pools, launcher):
+    from sglang_dsv41.core.batch_copy import expand_paged, paged_copy
+
+    copier = CudaBatchCopy(0, prefer="triton")
+    print(f"paged kernel launcher here: {copier.launcher} ({copier.launcher_reason or 'no fallback'})")
+    if launcher == "direct" and copier.launcher != "direct":
+        pytest.skip(f"this Triton's kernel takes Triton's launcher: {copier.launcher_reason}")
+    if launcher == "triton":
+        copier._use_direct = False
+    src, dst = pools
+    rng = np.random.default_rng(11)
+    specs = _random_paged_offsets(rng, 16, calls=3, max_pages=40, pool=dst.numel())
+    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
+              for rows, sp, dp in specs]
+    for _ in range(3):  # lanes and their parameter storage reused
+        dst.random_(0, 256)
+        s, d, n = expand_paged(copies)
+        want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
+                         (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
+        torch.cuda.synchronize()
+        copier.copy_pages(copies)
+        assert torch.equal(dst, want)

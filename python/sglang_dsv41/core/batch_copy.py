@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -221,34 +222,38 @@ def _bounded_pages(copies: Sequence[PagedCopy], min_chunk: int) -> list[PagedCop
 def fill_paged_table(reserve, copies: Sequence[PagedCopy], min_chunk: int) -> tuple[int, int, int, int, int]:
     """Write the paged kernel's table; returns (word, chunk, segments, units, bytes used).
 
-    ``copies`` come from ``_bounded_pages`` (no empty one, page lists within a
-    grid row). ``reserve(nbytes)`` returns a uint64 array of at least
-    ``nbytes`` bytes.
+    ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
+    ``units`` above the grid's limit (``_MAX_UNITS``) means the page lists
+    must be cut first (``_bounded_pages``). A flush of a request's held sends
+    lands here: the table is written with a fixed handful of NumPy calls
+    whatever the number of copies.
     """
-    segments = sum(len(c.segments) for c in copies)
-    words = PAGED_SEGMENT_WORDS * segments + 2 * sum(len(c.src_pages) for c in copies)
-    table = reserve(8 * words).view(np.int64)
-    rows = table[:PAGED_SEGMENT_WORDS * segments].reshape(segments, PAGED_SEGMENT_WORDS)
-    row = 0
+    seg_counts = [len(c.segments) for c in copies]
+    segments = sum(seg_counts)
     at = PAGED_SEGMENT_WORDS * segments
+    parts = [c.segments.ravel() for c in copies]
+    places = []
     word, item, pages = 16, 0, 0
-    for c in copies:  # three NumPy writes per copy: the hot path of a held request's flush
-        e, n = len(c.segments), len(c.src_pages)
-        seg = rows[row:row + e]
-        seg[:] = c.segments
-        seg[:, 3:] = (at, n)
-        np.concatenate((c.src_pages, c.dst_pages), out=table[at:at + 2 * n])
-        row, at = row + e, at + 2 * n
+    for c in copies:
+        n = len(c.src_pages)
+        parts.append(c.src_pages)
+        parts.append(c.dst_pages)
+        places.append((at, n))
+        at += 2 * n
         if c.word < word:
             word = c.word
         if c.max_item > item:
             item = c.max_item
         if n > pages:
             pages = n
+    table = reserve(8 * at).view(np.int64)
+    np.concatenate(parts, out=table[:at])
+    if segments:
+        rows = table[:PAGED_SEGMENT_WORDS * segments].reshape(segments, PAGED_SEGMENT_WORDS)
+        rows[:, 3:] = np.repeat(np.array(places, dtype=np.int64), seg_counts, axis=0)
     chunk = min_chunk
-    while pages * -(-item // chunk) > _MAX_UNITS:
-        chunk *= 2
-    return word, chunk, segments, pages * -(-item // chunk), 8 * words
+    pieces = -(-item // chunk) if item else 0
+    return word, chunk, segments, pages * pieces, 8 * at
 
 
 class HostBatchCopy:
@@ -410,6 +415,7 @@ class _Lane:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.stream_handle = self.stream.cuda_stream
+        self.direct_params: dict = {}  # _DirectLaunch parameter storage of this lane
         self.capacity = 0
         self.reserve(64 << 10)
 
@@ -426,6 +432,69 @@ class _Lane:
             self.device_ptr = self.device_table.data_ptr()
             self.capacity = capacity
         return self.host_words
+
+
+class _DirectLaunch:
+    """A compiled Triton kernel launched with one cuLaunchKernel through ctypes.
+
+    Triton's own launcher spends several microseconds in Python per launch;
+    a request's held write pays it on its path to the status. Used only when
+    the kernel's launch needs nothing that launcher adds: one CTA per cluster,
+    no cooperative grid or programmatic launch, no scratch memory (Triton then
+    passes null for its trailing scratch pointers), and kernel parameters, as
+    the compiled PTX declares them, of exactly the expected types. Otherwise
+    ``of`` returns None and the caller keeps Triton's launcher.
+    """
+
+    _ENTRY_PARAMS = re.compile(r"\.entry\s+\w+\s*\(([^)]*)\)", re.S)
+    _PARAM_TYPE = re.compile(r"\.param\s+\.(\w+)")
+
+    def __init__(self, lib, function: int, block: int, shared: int, user: tuple, extras: int):
+        self._launch = lib.cuLaunchKernel
+        self._function = ctypes.c_void_p(function)
+        self._block, self._shared = block, shared
+        self._user, self._extras = user, extras
+
+    @classmethod
+    def of(cls, compiled, user: tuple) -> tuple[Optional["_DirectLaunch"], str]:
+        """(launcher, "") or (None, why not); ``user``: the expected PTX types of the kernel's own parameters."""
+        md = compiled.metadata
+        if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+                or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
+                or getattr(md, "profile_scratch_size", 0) or getattr(md, "shared", 0) > 48 * 1024):
+            return None, "the kernel's launch needs what Triton's launcher adds"
+        found = cls._ENTRY_PARAMS.search(getattr(compiled, "asm", {}).get("ptx", "") or "")
+        types = cls._PARAM_TYPE.findall(found.group(1)) if found else []
+        if tuple(types[:len(user)]) != user or any(t != "u64" for t in types[len(user):]) or len(types) > len(user) + 4:
+            return None, f"unexpected kernel parameters {types}"
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            compiled._init_handles()
+            function = int(compiled.function)
+        except Exception as exc:  # no driver library, a Triton without these attributes
+            return None, f"no driver entry point: {exc}"
+        return cls(lib, function, 32 * int(md.num_warps), int(getattr(md, "shared", 0)), user,
+                   len(types) - len(user)), ""
+
+    def params_for(self, lane) -> tuple:
+        """This lane's parameter storage: (values, pointer array), reused launch after launch."""
+        cached = lane.direct_params.get(id(self))
+        if cached is None:
+            kinds = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32}
+            values = [kinds[t]() for t in self._user] + [ctypes.c_uint64(0) for _ in range(self._extras)]
+            pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            cached = lane.direct_params[id(self)] = (values, pointers)
+        return cached
+
+    def __call__(self, lane, grid, args) -> int:
+        values, pointers = self.params_for(lane)
+        for v, a in zip(values, args):
+            v.value = a
+        return self._launch(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, self._shared,
+                            lane.stream_handle, pointers, None)
 
 
 class CudaBatchCopy:
@@ -453,6 +522,9 @@ class CudaBatchCopy:
         self._lanes: list[_Lane] = []
         self._compiled: dict[int, object] = {}
         self._fast_launch = True
+        self._use_direct = True  # paged kernel through _DirectLaunch, once it proved itself
+        self._direct: dict[int, Optional[_DirectLaunch]] = {}
+        self.launcher_reason: Optional[str] = None  # why Triton's launcher is used for the paged kernel
         self._kernels = None
         self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
         with torch.cuda.device(device):
@@ -477,6 +549,34 @@ class CudaBatchCopy:
         if self._kernels is None and self._runtime is None:
             self._runtime = _CudaRuntime.find(loaded_only=False)
         self.backend = "triton" if self._kernels is not None else "memcpy-async"
+        if self._kernels is not None:
+            self._check_direct_launch()
+
+    def _check_direct_launch(self) -> None:
+        """One small paged copy through the direct launch, checked byte by byte; Triton's launcher if it fails."""
+        torch = self._torch
+        device = f"cuda:{self.device}"
+        try:
+            src = torch.arange(256, dtype=torch.uint8, device=device)
+            dst = torch.zeros(512, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(self.device)
+            self.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 64)], np.array([0, 3]), np.array([5, 1]))])
+            want = torch.zeros(512, dtype=torch.uint8, device=device)
+            want[320:384], want[64:128] = src[0:64], src[192:256]
+            if not torch.equal(dst, want):
+                self._use_direct, self.launcher_reason = False, "the direct launch's probe copy differed"
+        except Exception as exc:
+            if self._use_direct:
+                self._use_direct, self.launcher_reason = False, f"the direct launch's probe failed: {exc}"
+            else:
+                raise BatchCopyError(f"the paged copy kernel does not run: {exc}") from exc
+        if not self._use_direct:
+            self._direct.clear()
+
+    @property
+    def launcher(self) -> str:
+        """How the paged kernel is launched: "direct" (one cuLaunchKernel) or "triton"."""
+        return "direct" if self._use_direct and self._direct else "triton"
 
     # -- memory
 
@@ -521,12 +621,9 @@ class CudaBatchCopy:
         if self._kernels is None:
             self.copy(*expand_paged(copies))
             return
-        copies = [c for c in copies if len(c.entries) and len(c.src_pages)]
         if not copies:
             return
-        copies = _bounded_pages(copies, self._kernels.MIN_CHUNK_BYTES)
-        self._on_lane(lambda lane: self._copy_paged(lane, copies, started),
-                      f"{sum(len(c.entries) for c in copies)} buffers' pages")
+        self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
 
     def _on_lane(self, work, what: str) -> None:
         with self._lock:
@@ -565,6 +662,11 @@ class CudaBatchCopy:
                         compiled = kernels.batch_copy_kernel.warmup(
                             dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
                     self._compiled[(paged, word)] = compiled
+                    if paged and self._use_direct:
+                        launcher, why_not = _DirectLaunch.of(compiled, ("u64", "u32"))
+                        self._direct[word] = launcher
+                        if launcher is None:
+                            self._use_direct, self.launcher_reason = False, why_not
         return compiled
 
     def _copy_kernel(self, lane: _Lane, s, d, n, started: float) -> None:
@@ -580,17 +682,27 @@ class CudaBatchCopy:
                          lane.device_table, entries, chunk, WORD=word, BLOCK=block),
                      started)
 
-    def _copy_paged(self, lane: _Lane, copies: list, started: float) -> None:
+    def _copy_paged(self, lane: _Lane, copies, started: float) -> None:
         kernels = self._kernels
         word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
+        if units > _MAX_UNITS:  # a page list longer than a grid row takes: cut it, write again
+            copies = _bounded_pages(copies, kernels.MIN_CHUNK_BYTES)
+            word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
+            if units > _MAX_UNITS:
+                raise BatchCopyError(f"a page of more than {_MAX_UNITS} x {chunk} bytes is beyond one launch")
+        if not segments or not units:
+            return
         block = kernels.BLOCK_ELEMENTS[word]
-        self._launch(lane, used, self._compile(kernels, word, paged=True), (segments, units, 1),
+        compiled = self._compile(kernels, word, paged=True)
+        direct = self._direct.get(word) if self._use_direct else None
+        self._launch(lane, used, compiled, (segments, units, 1),
                      (lane.device_ptr, chunk, word, block),
                      lambda: kernels.paged_copy_kernel[(segments, units)](
                          lane.device_table, chunk, WORD=word, BLOCK=block),
-                     started)
+                     started, direct, (lane.device_ptr, chunk))
 
-    def _launch(self, lane: _Lane, used: int, compiled, grid, args, jit_launch, started: float) -> None:
+    def _launch(self, lane: _Lane, used: int, compiled, grid, args, jit_launch, started: float,
+                direct: Optional[_DirectLaunch] = None, direct_args: tuple = ()) -> None:
         """Upload the lane's table, launch, wait: the copy has landed when this returns."""
         rt = self._runtime
         if rt is not None:
@@ -602,13 +714,17 @@ class CudaBatchCopy:
         else:
             with self._torch.cuda.stream(lane.stream):
                 lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True)
-        if self._fast_launch:
+        if direct is not None:
+            err = direct(lane, grid, direct_args)
+            if err:
+                raise BatchCopyError(f"cuLaunchKernel of the paged copy failed: CUDA driver error {err}")
+        elif self._fast_launch:
             try:
                 # The compiled kernel's own launcher: skips the JIT's per-call argument binding.
                 compiled[grid](*args, stream=lane.stream_handle)
             except (TypeError, AttributeError):  # a Triton whose launcher differs
                 self._fast_launch = False
-        if not self._fast_launch:
+        if direct is None and not self._fast_launch:
             with self._torch.cuda.stream(lane.stream):
                 jit_launch()
         self.last_submit_s = time.perf_counter() - started
