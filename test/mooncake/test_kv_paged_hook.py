@@ -356,18 +356,3 @@ def test_threads_that_hold_nothing_pass_through_unchanged(worker_thread):
                                         status=KVPoll.Success)
     assert seen == [dict(bootstrap_room=3, status=KVPoll.Success, targets=None, failure_reason=None)]
     assert kv_staging.around_maybe_send_extra(lambda self, *a: 5, mgr, 1) == 5
-
-
-def test_a_started_copy_that_cannot_launch_fails_the_send(worker_thread, monkeypatch):
-    from sglang_dsv41.core.peer_copy import PeerWrites
-
-    mgr, src, dst, engine, transport = _manager(4, 4)
-    _take(_worker_queue(), last=True)
-    kv_staging._held.writes = PeerWrites(early_bytes=1)  # every call large enough to start at once
-
-    def cannot_launch(target, copies):
-        raise RuntimeError("launch failed")
-
-    monkeypatch.setattr(transport, "start_pages", cannot_launch, raising=False)
-    assert _paths(lambda: _send(mgr, src, dst, [256] * 4, PAGES) + 1) == {"failed": 1}
-    assert transport.writes == [] and engine == []

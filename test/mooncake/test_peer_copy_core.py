@@ -295,64 +295,6 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     assert len(rec.writes) == 1 and rec.closed[-1] == [b"second"]
 
 
-class _Starting(_Recorder):
-    """Records writes; start_pages writes at once and hands back a handle whose wait is recorded."""
-
-    def __init__(self, fail_wait=False):
-        super().__init__()
-        self.waited, self.fail_wait = [], fail_wait
-
-    def start_pages(self, target, copies):
-        from sglang_dsv41.core.batch_copy import PendingCopy
-
-        self.write_pages(target, copies)
-        index = len(self.writes) - 1
-
-        def finish():
-            self.waited.append(index)
-            if self.fail_wait:
-                raise OSError("copy failed on the device")
-        return PendingCopy(finish)
-
-
-def test_the_first_large_held_call_starts_at_once_and_is_waited_for_at_the_flush():
-    rec = _Starting()
-    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
-    bound, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100)]), target, _device((0x50000, 0x10000)))
-    held = PeerWrites(early_bytes=0x300)
-    assert held.add_pages(bound, np.array([1]), np.array([2])) is None  # small: held
-    assert rec.writes == []
-    held.flush()
-    held = PeerWrites(early_bytes=0x300)
-    assert held.add_pages(bound, np.arange(3), np.arange(4, 7)) is None  # large and first: started
-    assert len(rec.writes) == 2 and rec.waited == []
-    assert held.add_pages(bound, np.arange(3), np.arange(8, 11)) is None  # large, not first: held
-    assert len(rec.writes) == 2 and len(held) == 2
-    assert held.flush() == 6 * 0x100
-    assert len(rec.writes) == 3 and rec.waited == [1]  # the held one written, the started one waited for
-    # discard waits for a started copy too (it may still be writing), and writes nothing more
-    assert held.add_pages(bound, np.arange(3), np.arange(4, 7)) is None
-    assert held.add_pages(bound, np.array([1]), np.array([2])) is None
-    held.discard()
-    assert len(rec.writes) == 4 and rec.waited == [1, 3]
-    target.retire()
-    assert rec.closed == [[b"handle"]]
-
-
-def test_a_started_copy_that_fails_fails_the_flush_after_the_rest_is_written():
-    rec = _Starting(fail_wait=True)
-    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
-    bound, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100)]), target, _device((0x50000, 0x10000)))
-    held = PeerWrites(early_bytes=0x300)
-    held.add_pages(bound, np.arange(3), np.arange(4, 7))
-    held.add_pages(bound, np.array([1]), np.array([2]))
-    with pytest.raises(OSError, match="on the device"):
-        held.flush()
-    assert len(rec.writes) == 2 and rec.waited == [0] and len(held) == 0
-    target.retire()
-    assert rec.closed == [[b"handle"]]
-
-
 def test_a_failed_held_write_raises_and_releases_its_map():
     class Failing(_Recorder):
         def write_pages(self, target, copies):

@@ -57,9 +57,6 @@ class BatchCopy(Protocol):
     def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
         """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
 
-    def start_pages(self, copies: "Sequence[PagedCopy]") -> "PendingCopy":
-        """``copy_pages`` without waiting: the bytes have landed once the handle's wait() returned."""
-
 
 def _as_uint64(values, name: str) -> np.ndarray:
     # A cast alone would wrap -1 to 2**64 - 1 and truncate 1.5 to 1: refuse both.
@@ -259,21 +256,6 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], min_chunk: int) -> tu
     return word, chunk, segments, pages * pieces, 8 * at
 
 
-class PendingCopy:
-    """A copy launched without waiting; ``wait()`` returns once it landed, raises if it failed.
-
-    Waiting twice is harmless (the second returns at once).
-    """
-
-    def __init__(self, finish):
-        self._finish = finish
-
-    def wait(self) -> None:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-
-
 class HostBatchCopy:
     """Host memory through ctypes, one memmove per entry."""
 
@@ -293,10 +275,6 @@ class HostBatchCopy:
 
     def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
         self.copy(*expand_paged(copies))
-
-    def start_pages(self, copies: Sequence[PagedCopy]) -> PendingCopy:
-        self.copy_pages(copies)  # host copies are done when the call returns
-        return PendingCopy(None)
 
 
 # --- CUDA ---------------------------------------------------------------------
@@ -647,51 +625,17 @@ class CudaBatchCopy:
             return
         self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
 
-    def start_pages(self, copies: Sequence[PagedCopy]) -> "PendingCopy":
-        """Launch the paged copy of ``copies`` and return without waiting for it.
-
-        The bytes have landed only once the handle's ``wait()`` returned (it
-        raises when the copy failed); until then the lane it runs on is its own.
-        """
-        if self._kernels is None or not copies:
-            self.copy_pages(copies)
-            return PendingCopy(None)
-        started = time.perf_counter()
-        lane = self._on_lane(lambda lane: self._copy_paged(lane, copies, started, wait=False), "paged copies",
-                             keep=True)
-        return PendingCopy(lambda: self._finish(lane))
-
-    def _finish(self, lane: "_Lane") -> None:
-        """Wait for what was launched on a kept lane, then give the lane back."""
-        try:
-            rt = self._runtime
-            if rt is not None:
-                err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
-                if err:
-                    raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
-            else:
-                try:
-                    lane.stream.synchronize()
-                except Exception as exc:
-                    raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {exc}") from exc
-        finally:
-            with self._lock:
-                self._lanes.append(lane)
-
-    def _on_lane(self, work, what: str, keep: bool = False):
-        """Run ``work(lane)`` on a free lane; ``keep``: the lane is returned, not put back (see _finish)."""
+    def _on_lane(self, work, what: str) -> None:
         with self._lock:
             lane = self._lanes.pop() if self._lanes else None
         torch = self._torch
         previous = torch.cuda.current_device()
         if previous != self.device:
             torch.cuda.set_device(self.device)
-        done = False
         try:
             if lane is None:
                 lane = _Lane(torch, self.device)
             work(lane)
-            done = True
         except BatchCopyError:
             raise
         except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
@@ -699,15 +643,9 @@ class CudaBatchCopy:
         finally:
             if previous != self.device:
                 torch.cuda.set_device(previous)
-            if lane is not None and not (keep and done):
-                if keep:  # launched or not, nothing may still run on it when it is reused
-                    try:
-                        lane.stream.synchronize()
-                    except Exception:  # the error is already on its way to the caller
-                        pass
+            if lane is not None:
                 with self._lock:
                     self._lanes.append(lane)
-        return lane if keep else None
 
     def _compile(self, kernels, word: int, paged: bool = False):
         compiled = self._compiled.get((paged, word))
@@ -744,7 +682,7 @@ class CudaBatchCopy:
                          lane.device_table, entries, chunk, WORD=word, BLOCK=block),
                      started)
 
-    def _copy_paged(self, lane: _Lane, copies, started: float, wait: bool = True) -> None:
+    def _copy_paged(self, lane: _Lane, copies, started: float) -> None:
         kernels = self._kernels
         word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
         if units > _MAX_UNITS:  # a page list longer than a grid row takes: cut it, write again
@@ -761,11 +699,11 @@ class CudaBatchCopy:
                      (lane.device_ptr, chunk, word, block),
                      lambda: kernels.paged_copy_kernel[(segments, units)](
                          lane.device_table, chunk, WORD=word, BLOCK=block),
-                     started, direct, (lane.device_ptr, chunk), wait)
+                     started, direct, (lane.device_ptr, chunk))
 
     def _launch(self, lane: _Lane, used: int, compiled, grid, args, jit_launch, started: float,
-                direct: Optional[_DirectLaunch] = None, direct_args: tuple = (), wait: bool = True) -> None:
-        """Upload the lane's table, launch, wait (unless told not to): the copy has landed when this returns."""
+                direct: Optional[_DirectLaunch] = None, direct_args: tuple = ()) -> None:
+        """Upload the lane's table, launch, wait: the copy has landed when this returns."""
         rt = self._runtime
         if rt is not None:
             err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, _CUDA_MEMCPY_HOST_TO_DEVICE,
@@ -790,8 +728,6 @@ class CudaBatchCopy:
             with self._torch.cuda.stream(lane.stream):
                 jit_launch()
         self.last_submit_s = time.perf_counter() - started
-        if not wait:
-            return
         if rt is not None:
             err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
             if err:

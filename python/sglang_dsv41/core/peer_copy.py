@@ -55,7 +55,6 @@ from sglang_dsv41.core.batch_copy import (
     BatchCopy,
     BatchCopyError,
     PagedCopy,
-    PendingCopy,
     blocks_as_paged,
     expand_paged,
     paged_segments,
@@ -238,9 +237,6 @@ class PeerTransport(Protocol):
     def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         """Paged copies (destinations translated) as one batch; returns when it landed."""
 
-    def start_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> PendingCopy:
-        """``write_pages`` without waiting: landed once the handle's wait() returned."""
-
     def close(self, opened: Sequence[bytes]) -> None:
         """Give back mappings ``open`` made (reference counted per handle)."""
 
@@ -358,9 +354,6 @@ class CudaIpcTransport:
 
     def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
-
-    def start_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> PendingCopy:
-        return self.copier.start_pages(copies)
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -481,10 +474,6 @@ class HostCmaTransport:
 
     def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         self.write(target, *expand_paged(copies))
-
-    def start_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> PendingCopy:
-        self.write_pages(target, copies)  # process_vm_writev is done when it returns
-        return PendingCopy(None)
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -677,30 +666,22 @@ PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
 PAGED_NOT_PAGES = "not_pages"
 
 
-def _checked_pages(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[np.ndarray], Optional[np.ndarray], Optional[str]]:
-    """(src pages, dst pages, None), or (None, None, why the page path cannot take them).
+def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[PagedCopy], Optional[str]]:
+    """(the call's paged copy, None), or (None, why the page path cannot take it).
 
-    Two integer page lists of one length whose highest page stays inside
-    every buffer on its side (negative pages, seen as unsigned, are the
-    highest of all).
+    The per-call check: two integer page lists of one length whose highest
+    page stays inside every buffer on its side (negative pages, seen as
+    unsigned, are the highest of all).
     """
     p, d = _page_array(src_pages), _page_array(dst_pages)
     if p is None or d is None or p.shape != d.shape:
-        return None, None, PAGED_NOT_PAGES
+        return None, PAGED_NOT_PAGES
     top_src = int(p.view(_UNSIGNED[p.dtype.itemsize]).max())
     top_dst = int(d.view(_UNSIGNED[d.dtype.itemsize]).max())
     if top_src >= bound.src_pages or top_dst >= bound.dst_pages:
         if min(int(p.min()), int(d.min())) < 0:
-            return None, None, PAGED_NOT_PAGES
-        return None, None, (PAGED_SOURCE_NOT_DEVICE if top_src >= bound.src_pages else PAGED_OUTSIDE_PEER_MAP)
-    return p, d, None
-
-
-def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[PagedCopy], Optional[str]]:
-    """(the call's paged copy, None), or (None, why the page path cannot take it)."""
-    p, d, why_not = _checked_pages(bound, src_pages, dst_pages)
-    if why_not is not None:
-        return None, why_not
+            return None, PAGED_NOT_PAGES
+        return None, (PAGED_SOURCE_NOT_DEVICE if top_src >= bound.src_pages else PAGED_OUTSIDE_PEER_MAP)
     return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes), None
 
 
@@ -740,71 +721,37 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
     return PeerOutcome(0, None, len(copy.src_pages) * bound.page_bytes)
 
 
-# A held call at least this large (a request's last KV chunk) is written when it is held,
-# without waiting: its copy overlaps the preparation of the rest (one launch's CPU cost, about
-# 10-20 us, against the copy's GPU time: 13 MB take about 17 us on an H200).
-EARLY_WRITE_BYTES = 4 << 20
-
-
-# A held call at least this large (a request's last KV chunk) is written when it is held,
-# without waiting: its copy overlaps the preparation of the rest (one launch's CPU cost, about
-# 10-20 us, against the copy's GPU time: 13 MB take about 17 us on an H200).
-EARLY_WRITE_BYTES = 4 << 20
-
-
 class PeerWrites:
     """Writes held back until a barrier, then made as one batched copy.
 
     A request's last sends (its final KV chunk, its state) each cost a launch
-    and a synchronize when written one by one; held here they go as one, and
-    the first large one (``early_bytes`` or more) is started at once so that
-    its copy overlaps the rest. ``add_*`` keeps a copy of the page lists and
-    holds the target open (a newer map cannot close it meanwhile); ``flush``
-    writes what is held, waits for what was started and returns when every
-    byte landed; ``discard`` writes nothing more but still waits for what was
-    started. Not thread-safe: one per sending thread.
+    and a synchronize when written one by one; held here they go as one.
+    ``add_*`` keeps a copy of the page lists and holds the target open (a
+    newer map cannot close it meanwhile); ``flush`` writes everything and
+    returns when it landed, ``discard`` drops it unwritten. Not thread-safe:
+    one per sending thread.
     """
 
-    def __init__(self, early_bytes: int = EARLY_WRITE_BYTES):
+    def __init__(self):
         self._copies: list[tuple[PeerTarget, PagedCopy]] = []
-        self._started: list[PendingCopy] = []  # written already, not yet waited for
-        self._early_bytes = early_bytes
-        self._held_open: dict[int, PeerTarget] = {}  # targets acquired for what is held or started
         self.calls = 0
         self.nbytes = 0
 
     def __len__(self) -> int:
-        return len(self._copies) + len(self._started)
-
-    def _hold_open(self, target: PeerTarget) -> bool:
-        if id(target) in self._held_open:
-            return True
-        if not target.acquire():  # retired meanwhile: a newer map replaced it
-            return False
-        self._held_open[id(target)] = target
-        return True
+        return len(self._copies)
 
     def add_pages(self, bound: BoundLayout, src_pages, dst_pages) -> Optional[str]:
-        """Hold (or start) one call's pages; None, or why the page path cannot take it (nothing held).
-
-        Raises when a started copy could not be launched: the request's transfer failure.
-        """
-        p, d, why_not = _checked_pages(bound, src_pages, dst_pages)
-        if why_not is not None:
+        """Hold one call's pages; None, or why the page path cannot take it (nothing held)."""
+        copy, why_not = paged_call(bound, src_pages, dst_pages)
+        if copy is None:
             return why_not
-        if not self._hold_open(bound.target):
+        if not bound.target.acquire():
             return FALLBACK_NO_PEER_MAP
-        nbytes = len(p) * bound.page_bytes
-        self.calls += 1
-        self.nbytes += nbytes
-        if not self._copies and not self._started and nbytes >= self._early_bytes:
-            # The page lists are read into the launch table before this returns: no copies needed.
-            copy = PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes)
-            self._started.append(bound.target.transport.start_pages(bound.target, [copy]))
-            return None
         # The caller's arrays may change once it returns: hold copies.
-        self._copies.append((bound.target, PagedCopy(bound.segments, np.array(p), np.array(d), bound.word,
-                                                     bound.max_item, bound.page_bytes)))
+        self._copies.append((bound.target, copy._replace(src_pages=np.array(copy.src_pages),
+                                                         dst_pages=np.array(copy.dst_pages))))
+        self.calls += 1
+        self.nbytes += len(copy.src_pages) * bound.page_bytes
         return None
 
     def add_blocks(self, target: PeerTarget, blocks) -> Optional[str]:
@@ -814,7 +761,7 @@ class PeerWrites:
         if local is None:
             return FALLBACK_OUTSIDE_PEER_MAP
         copy = blocks_as_paged(srcs, local, lengths)
-        if not self._hold_open(target):
+        if not target.acquire():
             return FALLBACK_NO_PEER_MAP
         self._copies.append((target, copy))
         self.calls += 1
@@ -822,47 +769,20 @@ class PeerWrites:
         return None
 
     def flush(self) -> int:
-        """Write what is held and wait for what was started; the bytes written.
-
-        Raises when a copy failed; nothing is held or running afterwards.
-        """
-        held, started, opened = self._copies, self._started, self._held_open
-        self._copies, self._started, self._held_open = [], [], {}
+        """Write what is held; the bytes written. Raises when a copy failed (nothing is held after)."""
+        held, self._copies = self._copies, []
         nbytes, self.calls, self.nbytes = self.nbytes, 0, 0
-        failure = None
         try:
-            if not held:
-                pass
-            elif len(opened) == 1:  # a request's sends go to one decode map
-                target = next(iter(opened.values()))
-                target.transport.write_pages(target, [c for _, c in held])
-            else:  # one batch per map (each transport writes its own way)
-                for target in opened.values():
-                    mine = [c for t, c in held if t is target]
-                    if mine:
-                        target.transport.write_pages(target, mine)
-        except BaseException as exc:
-            failure = exc
-        for pending in started:  # every started copy is waited for, whatever failed
-            try:
-                pending.wait()
-            except BaseException as exc:
-                failure = failure or exc
-        for target in opened.values():
-            target.release()
-        if failure is not None:
-            raise failure
+            # one batch per decode map (a request has one; each transport writes its own way)
+            for target in dict.fromkeys(t for t, _ in held):
+                target.transport.write_pages(target, [c for t, c in held if t is target])
+        finally:
+            for target, _ in held:
+                target.release()
         return nbytes
 
     def discard(self) -> None:
-        """Write nothing more; what was started already is waited for (its errors ignored)."""
-        started, opened = self._started, self._held_open
-        self._copies, self._started, self._held_open = [], [], {}
+        held, self._copies = self._copies, []
         self.calls, self.nbytes = 0, 0
-        for pending in started:
-            try:
-                pending.wait()
-            except Exception:
-                pass
-        for target in opened.values():
+        for target, _ in held:
             target.release()

@@ -547,14 +547,7 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         return original(self, **call)
     held = _holding()
     if held is not None:
-        try:
-            why_not = held.add_pages(bound, prefill_data_indices, dst_data_indices)
-        except Exception as exc:  # a started copy that could not be launched: this request fails
-            plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
-            logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
-                         mooncake_session_id, type(exc).__name__, exc)
-            return -1
-        if why_not is not None:
+        if held.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
             return original(self, **call)  # pages this layout cannot take: the block path (still held)
         plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
         return 0
