@@ -367,9 +367,16 @@ def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
         plugin_metrics.count_kv_staging("kv_staging_batches", why_not)
         return write(blocks)
     held = _holding()
-    if held is not None and held.add_blocks(target, blocks) is None:
-        plugin_metrics.count_kv_staging("kv_staging_batches", "peer")
-        return 0
+    if held is not None:
+        try:
+            why_not = held.add_blocks(target, blocks)
+        except Exception as exc:  # blocks no copy can take: this request's transfer fails
+            plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
+            logger.error("[sglang-dsv41] KV peer write to %s refused: %s: %s", session_id, type(exc).__name__, exc)
+            return -1
+        if why_not is None:
+            plugin_metrics.count_kv_staging("kv_staging_batches", "peer")
+            return 0
     try:
         outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
