@@ -13,7 +13,10 @@ no-op:
            block path (block list to arrays, translation), the copy a no-op;
   pages    the plugin's page path (``hooks.kv_staging.around_send_kvcache_generic``,
            each kind of call learnt beforehand as in a running server), the copy
-           a no-op.
+           a no-op;
+  held     the page path as a transfer worker runs a request: earlier chunks'
+           KV sends at once, the last chunk's sends held and flushed as one
+           (the flush's copy a no-op).
 
 Medians of ``--iters`` requests per run, ``--runs`` runs; prints each run and the
 range. Needs sglang 0.5.23 importable (the project's venv); no GPU.
@@ -55,6 +58,9 @@ def _build(page_path: bool):
             return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])
 
         def write(self, target, srcs, dsts, lengths):
+            pass
+
+        def write_pages(self, target, copies):
             pass
 
         def close(self, opened):
@@ -102,16 +108,28 @@ def _build(page_path: bool):
     return send
 
 
-def _request(send, tokens, layout):
+def _request(send, tokens, layout, held: bool = False):
+    from sglang_dsv41.core.peer_copy import PeerWrites
+    from sglang_dsv41.hooks import kv_staging
+
     calls = []
     for bufs, items, sp, dp in bench.dsv41_paged_calls(tokens, layout):
         # the lists as sglang holds them: one list object per buffer group, int32 page arrays
         calls.append(send(bufs, items, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32)))
+    last = len(calls) - 3 if held else len(calls)  # the last chunk: its KV call, then the two state calls
+    writes = PeerWrites()
 
     def run():
-        for call in calls:
+        for i, call in enumerate(calls):
+            if i == last:
+                kv_staging._held.writes = writes  # what the worker's queue does for a last chunk
             if call() != 0:
                 raise RuntimeError("a send call failed")
+        if held:  # the barrier: when the state sends return
+            failed = kv_staging._flush_held("benchmark")
+            kv_staging._held.writes = None
+            if failed is not None or len(writes):
+                raise RuntimeError("the held writes were not flushed")
     return run
 
 
@@ -128,13 +146,14 @@ def main() -> int:
     except Exception as exc:  # not installed, or not importable here
         print(f"send_call_python: needs sglang importable ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    ways = {"sglang": _build(None), "blocks": _build(False), "pages": _build(True)}
+    ways = {"sglang": _build(None), "blocks": _build(False), "pages": _build(True), "held": _build(True)}
     results: dict[str, list[list[float]]] = {}
     for run in range(args.runs):
         print(f"run {run + 1} of {args.runs}: Python per request, us (median of {args.iters})")
         print(f"  {'request':>16} " + " ".join(f"{w:>9}" for w in ways))
         for name, tokens, layout in bench.DSV41_CASES:
-            row = [_median_us(_request(send, tokens, layout), args.iters) for send in ways.values()]
+            row = [_median_us(_request(send, tokens, layout, held=(way == "held")), args.iters)
+                   for way, send in ways.items()]
             results.setdefault(name, []).append(row)
             print(f"  {name:>16} " + " ".join(f"{v:9.0f}" for v in row))
     print(f"\nover {args.runs} runs: min - max (us); sglang's list building is paid by stock and "

@@ -102,8 +102,8 @@ SERIES: Tuple[Series, ...] = (
     Series("kv_staging_held_writes", "counter", "outcome",
            "Prefill, peer mode: a request's last sends (final KV chunk, state) held and written "
            "as one peer write before its status: written, failed (the request's transfer "
-           "failed), or dropped (held past the end of its chunk, never written: the request "
-           "was not concluded as a success).", "written, failed, dropped"),
+           "failed), or dropped (never written: the request failed first, or the worker took "
+           "its next chunk without concluding it).", "written, failed, dropped"),
     Series("kv_staging_scatters", "counter", "outcome",
            "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
            "(the prefill's transfer then fails).", "done, refused"),
