@@ -195,3 +195,25 @@ def test_bad_input_is_one_line_and_nonzero(argv, message):
     proc = _run_bench(*argv, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _run_script(name, *argv, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(BENCH.parent / name), *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_send_call_python_runs_every_way_against_sglangs_send_code():
+    proc = _run_script("send_call_python.py", "--runs", "1", "--iters", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["request"])
+    assert header.split()[1:] == ["sglang", "blocks", "pages", "held"]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("32k fragmented")]
+    assert rows and all(float(v) > 0 for v in rows[0][2:6])
+
+
+def test_send_call_python_answers_bad_input_with_one_line():
+    proc = _run_script("send_call_python.py", "--runs", "0", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "at least 1" in proc.stderr
