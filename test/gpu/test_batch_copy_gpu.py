@@ -265,15 +265,10 @@ def _random_paged_offsets(rng, align: int, calls: int, max_pages: int, pool: int
     return out
 
 
-@pytest.mark.parametrize("align", [16, 8, 1])
-def test_random_paged_copies_are_byte_exact(copier, pools, align):
-    from sglang_dsv41.core.batch_copy import expand_paged, paged_copy
+def check_paged(copier, src, dst, copies):
+    """The paged copy against the block list it stands for, copied one block at a time by torch."""
+    from sglang_dsv41.core.batch_copy import expand_paged
 
-    src, dst = pools
-    rng = np.random.default_rng(align)
-    specs = _random_paged_offsets(rng, align, calls=4, max_pages=64, pool=dst.numel())
-    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
-              for rows, sp, dp in specs]
     dst.random_(0, 256)
     s, d, n = expand_paged(copies)
     want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
@@ -281,6 +276,18 @@ def test_random_paged_copies_are_byte_exact(copier, pools, align):
     torch.cuda.synchronize()
     copier.copy_pages(copies)
     assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("align", [16, 8, 1])
+def test_random_paged_copies_are_byte_exact(copier, pools, align):
+    from sglang_dsv41.core.batch_copy import paged_copy
+
+    src, dst = pools
+    rng = np.random.default_rng(align)
+    specs = _random_paged_offsets(rng, align, calls=4, max_pages=64, pool=dst.numel())
+    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
+              for rows, sp, dp in specs]
+    check_paged(copier, src, dst, copies)
 
 
 def test_a_page_list_longer_than_a_grid_row_is_copied_whole(copier, pools):
@@ -300,7 +307,7 @@ def test_a_page_list_longer_than_a_grid_row_is_copied_whole(copier, pools):
 
 @pytest.mark.parametrize("launcher", ["direct", "triton"])
 def test_paged_copies_are_exact_through_either_launcher(pools, launcher):
-    from sglang_dsv41.core.batch_copy import expand_paged, paged_copy
+    from sglang_dsv41.core.batch_copy import paged_copy
 
     copier = CudaBatchCopy(0, prefer="triton")
     print(f"paged kernel launcher here: {copier.launcher} ({copier.launcher_reason or 'no fallback'})")
@@ -314,10 +321,4 @@ def test_paged_copies_are_exact_through_either_launcher(pools, launcher):
     copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
               for rows, sp, dp in specs]
     for _ in range(3):  # lanes and their parameter storage reused
-        dst.random_(0, 256)
-        s, d, n = expand_paged(copies)
-        want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
-                         (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
-        torch.cuda.synchronize()
-        copier.copy_pages(copies)
-        assert torch.equal(dst, want)
+        check_paged(copier, src, dst, copies)

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from _paged import runs_of_paged
+from _paged import runs_of, runs_of_paged
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_OUTSIDE_PEER_MAP,
@@ -190,18 +190,7 @@ def test_page_lists_that_describe_no_transfer_are_refused(src, dst):
 
 def _reference_blocks(layout_entries, src_pages, dst_pages):
     """The block list one page run and buffer at a time, as the engine would get it."""
-    blocks = []
-    for s_base, d_base, item in layout_entries:
-        run = None
-        for s, d in zip(src_pages, dst_pages):
-            if run and s == run[0] + run[2] and d == run[1] + run[2]:
-                run[2] += 1
-                continue
-            if run:
-                blocks.append((s_base + run[0] * item, d_base + run[1] * item, run[2] * item))
-            run = [s, d, 1]
-        blocks.append((s_base + run[0] * item, d_base + run[1] * item, run[2] * item))
-    return blocks
+    return runs_of(layout_entries, src_pages, dst_pages)
 
 
 def _device(*regions):
