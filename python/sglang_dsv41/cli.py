@@ -183,7 +183,7 @@ def _kv_staging_finding() -> Finding | None:
     if config.mode == MODE_PEER:
         return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
                        "device blocks written straight into the decode's KV over CUDA IPC, from their "
-                       "page lists where sglang's send allows")
+                       "page lists where sglang's send allows; a request's last chunk as one write")
     return Finding("kv-staging", "ok", f"{STAGING_ENV}=1: {config.slots} slots of "
                    f"{config.slot_bytes >> 20} MiB per side, batches of {config.min_blocks}+ blocks staged")
 
