@@ -435,8 +435,8 @@ PATCHES: tuple[Patch, ...] = (
         hook="sglang_dsv41.hooks.kv_staging:around_transfer_worker",
         roles=roles(Role.SCHEDULER),
         reason="KV peer writes (SGLANG_DSV41_KV_STAGING=peer), prefill side: the worker's queue "
-        "is wrapped so the plugin knows when the worker sends a request's last chunk; those "
-        "sends (KV, state, device aux) are held and written as one batch before the request is "
+        "is wrapped so the plugin knows when the worker sends a request's last chunk; its "
+        "page-list sends (KV, state) are held and written as one batch before the request is "
         "concluded (MC-KVS-STATE, MC-KVS-CONCLUDE). Anything still held when the worker takes "
         "its next chunk is dropped, never written late. A no-op in other modes.",
         source="none: added here (the original fork sends every block directly)",

@@ -20,7 +20,6 @@ from sglang_dsv41.core.batch_copy import (
     _bounded_pages,
     as_batch,
     batch_word,
-    blocks_as_paged,
     expand_paged,
     fill_launch_table,
     fill_paged_table,
@@ -390,14 +389,6 @@ def test_paged_copies_move_exactly_their_block_list(align):
     copier.copy_pages(copies)
     assert np.array_equal(dst, want)
     assert all(c.word >= align for c in copies)
-
-
-def test_blocks_as_paged_is_the_block_list_without_empty_entries():
-    c = blocks_as_paged([4096, 8192, 64], [65536, 70000, 128], [512, 0, 16])
-    assert expand_paged([c])[0].tolist() == [4096, 64]
-    assert expand_paged([c])[2].tolist() == [512, 16]
-    assert c.word == 16 and c.max_item == 512
-    assert len(blocks_as_paged([4096], [8192], [0]).entries) == 0
 
 
 BAD_PAGED = [

@@ -7,10 +7,11 @@ GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
 decode process): the same registration, map, translation and write path the
 CUDA IPC transport takes. Three runs in parallel:
 - peer: each room is one last chunk, so its KV send (from its page lists,
-  upstream's call learnt by a dry run that reaches no engine) and its state
-  send are held and go as one peer write when the state sends return,
-  byte-exact, and the decode buffers already hold every byte when the
-  Success status is applied; nothing lands outside the rooms' pages;
+  upstream's call learnt by a dry run that reaches no engine) is held and
+  written when the state sends return, byte-exact, and the decode buffers
+  already hold every byte when the Success status is applied; nothing lands
+  outside the rooms' pages. The harness's state is one block from a state
+  kind sglang sends without page lists: it takes the block path, directly;
 - failing: the second peer write fails (room B's, after room A completed):
   room B fails on both sides, room A stays byte-exact;
 - foreign: the decode's map claims another host: the prefill refuses to open
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.timeout(600)
 PEER = {"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "2"}
 RUNS = {
     "peer": {"env": PEER},
-    # one write per room (its KV and state held together): room A's, then room B's (fails)
+    # one write per room (its held KV): room A's, then room B's (fails)
     "failing": {"env": PEER, "fail_peer_write_at": 2},
     "foreign": {"env": PEER, "foreign_host": True},
     "host_entry": {"env": PEER, "host_kv_entry": 1},
@@ -71,9 +72,9 @@ def runs(tmp_path_factory):
 def test_peer_writes_are_byte_exact_and_land_before_status(runs):
     assert_exact_and_in_place_at_status(runs["peer"])
     r = runs["peer"]
-    # Each KV send from its page lists and the one-block state batch (under MIN_BLOCKS, which
-    # held sends ignore: they cost no launch of their own) held, then one write per request.
-    assert _batches(r, "prefill") == {"peer_pages": 2, "peer": 2}
+    # Each KV send from its page lists, held, then written before the status; the one-block
+    # state batch (block path, under MIN_BLOCKS) direct.
+    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
     assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
     assert r["prefill"]["peer_writes"] == 2
     assert r["prefill"]["open_peer_maps"] == 1
@@ -96,8 +97,9 @@ def test_a_failed_peer_write_fails_that_request_only(runs):
     assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
     assert r["prefill"]["status_B"] == "failed"
     assert r["decode"]["status_B"] == "failed"
-    # both rooms' sends were held; room B's write failed and failed its transfer
-    assert _batches(r, "prefill") == {"peer_pages": 2, "peer": 2}
+    # both rooms' KV sends were held (their state blocks direct); room B's write, when its state
+    # sends returned, failed and failed its transfer
+    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
     assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 1, "failed": 1}
 
 
@@ -106,7 +108,7 @@ def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
     for room in ("A", "B"):
         assert r["prefill"][f"status_{room}"] == "success"
         assert r["decode"][f"mismatch_{room}"] == []
-    assert _batches(r, "prefill") == {"peer_map_unusable": 4}  # KV and state of both rooms
+    assert _batches(r, "prefill") == {"peer_map_unusable": 2, "few_blocks": 2}
     assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
 
 
@@ -119,7 +121,8 @@ def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
     # room B's host frames (its kv1 pages among them) are the harness's held-back negative control
     assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "kv1", "state1"]
     assert r["decode"]["stray_writes"] == []
-    # the device blocks of each KV send and its state block, held and written together
-    assert _batches(r, "prefill") == {"peer": 4}
-    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
+    # the KV call took the block path (written at once: block batches are never held), its
+    # device blocks as one peer write; nothing was held
+    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    assert not r["prefill"]["plugin_metrics"].get("kv_staging_held_writes")
     assert r["decode"]["host_messages_written"] >= 2

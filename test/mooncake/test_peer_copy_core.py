@@ -255,16 +255,17 @@ def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
 def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     rec = _Recorder()
     target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
-    bound, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]),
-                           target, _device((0x50000, 0x10000), (0x60000, 0x10000)))
+    device = _device((0x50000, 0x10000), (0x60000, 0x10000))
+    kv, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]), target, device)
+    state, _ = bind_layout(PagedLayout.of([(0x58000, 0x10C000, 0x40)]), target, device)
     held = PeerWrites()
     src, dst = np.array([1, 2, 3], np.int32), np.array([7, 8, 20], np.int32)
-    assert held.add_pages(bound, src, dst) is None
-    assert held.add_blocks(target, [(0x50010, 0x100800, 0x40)]) is None
+    assert held.add_pages(kv, src, dst) is None
+    assert held.add_pages(state, np.array([5]), np.array([9])) is None
     src[:] = 0  # the caller's arrays change after the call: what is held does not
-    # refused without holding anything: pages past a buffer, a block outside the map
-    assert held.add_pages(bound, src, np.array([1, 2, 0xC0])) == FALLBACK_OUTSIDE_PEER_MAP
-    assert held.add_blocks(target, [(0x50000, 0x1FFF0, 0x20)]) == FALLBACK_OUTSIDE_PEER_MAP
+    # refused without holding anything: pages past a buffer, negative pages
+    assert held.add_pages(kv, src, np.array([1, 2, 0xC0])) == FALLBACK_OUTSIDE_PEER_MAP
+    assert held.add_pages(kv, np.array([-1, 2, 3]), dst) == "not_pages"
     assert len(held) == 2 and held.calls == 2 and held.nbytes == 3 * 0x200 + 0x40
     target.retire()  # a newer map arrived: the mapping stays open for what is held
     assert rec.closed == [] and rec.writes == []
@@ -273,12 +274,13 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     assert list(zip(srcs, dsts, lengths)) == [
         (0x50100, 0x7000700, 0x200), (0x50300, 0x7001400, 0x100),  # entry 0: pages 1-2 -> 7-8, 3 -> 20
         (0x60100, 0x7004700, 0x200), (0x60300, 0x7005400, 0x100),  # entry 1
-        (0x50010, 0x7000800, 0x40)]
+        (0x58000 + 5 * 0x40, 0x700C000 + 9 * 0x40, 0x40)]  # the state call
     assert rec.closed == [[b"handle"]] and len(held) == 0
-    assert held.add_pages(bound, src, dst) == FALLBACK_NO_PEER_MAP  # retired: nothing more held
+    assert held.add_pages(kv, src, dst) == FALLBACK_NO_PEER_MAP  # retired: nothing more held
     # discard: nothing written, the map released
     target2 = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"second"])
-    assert held.add_blocks(target2, [(0x50010, 0x100800, 0x40)]) is None
+    kv2, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100)]), target2, device)
+    assert held.add_pages(kv2, src, dst) is None
     held.discard()
     target2.retire()
     assert len(rec.writes) == 1 and rec.closed[-1] == [b"second"]
@@ -291,8 +293,9 @@ def test_a_failed_held_write_raises_and_releases_its_map():
 
     rec = Failing()
     target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    bound, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100)]), target, _device((0x50000, 0x10000)))
     held = PeerWrites()
-    assert held.add_blocks(target, [(0x50010, 0x100800, 0x40)]) is None
+    assert held.add_pages(bound, np.array([1]), np.array([2])) is None
     target.retire()
     with pytest.raises(OSError):
         held.flush()

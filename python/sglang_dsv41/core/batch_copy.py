@@ -125,8 +125,7 @@ class PagedCopy(NamedTuple):
     destination, bytes per page); the last two are the kernel table's page
     offset and count, filled in per launch (``paged_segments`` builds it).
     ``src_pages``/``dst_pages``: equal-length integer arrays. Page
-    ``src_pages[k]`` of every buffer goes to its page ``dst_pages[k]``. A
-    block list is the case of one pair (0, 0) with a buffer per block. Build it
+    ``src_pages[k]`` of every buffer goes to its page ``dst_pages[k]``. Build it
     with ``paged_copy`` (which checks it) unless the caller checked the same
     facts (``core.peer_copy`` does, once per layout). A named tuple: one is
     made per send call.
@@ -151,9 +150,6 @@ def paged_segments(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-_ONE_PAIR = np.zeros(1, dtype=np.int64)
-
-
 def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     """A checked ``PagedCopy``: BatchCopyError for pages or entries no copy can take."""
     try:
@@ -175,16 +171,6 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
         raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
     return PagedCopy(paged_segments(rows), sp, dp, _word_of(int(np.bitwise_or.reduce(rows.ravel()))), item,
                      int(rows[:, 2].sum()))
-
-
-def blocks_as_paged(srcs, dsts, lengths) -> PagedCopy:
-    """A block list as one ``PagedCopy`` (entries with nothing to copy left out)."""
-    s, d, n = as_batch(srcs, dsts, lengths)
-    keep = n != 0
-    if not keep.all():
-        s, d, n = s[keep], d[keep], n[keep]
-    return paged_copy(np.stack((s, d, n), axis=1).view(np.int64) if len(n) else np.zeros((0, 3), np.int64),
-                      _ONE_PAIR, _ONE_PAIR)
 
 
 def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

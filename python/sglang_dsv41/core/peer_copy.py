@@ -55,7 +55,6 @@ from sglang_dsv41.core.batch_copy import (
     BatchCopy,
     BatchCopyError,
     PagedCopy,
-    blocks_as_paged,
     expand_paged,
     paged_segments,
 )
@@ -771,23 +770,6 @@ class PeerWrites:
                                                      bound.max_item, bound.page_bytes)))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
-        return None
-
-    def add_blocks(self, target: PeerTarget, blocks) -> Optional[str]:
-        """Hold a block list whose destinations lie in ``target``'s map; None, or why not.
-
-        Raises BatchCopyError for blocks no copy can take (a null pointer, a wrap).
-        """
-        srcs, dsts, lengths = as_triples(blocks)
-        local, _ = target.translate(dsts, lengths)
-        if local is None:
-            return FALLBACK_OUTSIDE_PEER_MAP
-        copy = blocks_as_paged(srcs, local, lengths)
-        if not self._hold_open(target):
-            return FALLBACK_NO_PEER_MAP
-        self._copies.append((target, copy))
-        self.calls += 1
-        self.nbytes += int(lengths.sum())
         return None
 
     def flush(self) -> int:

@@ -366,17 +366,6 @@ def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
     if target is None:
         plugin_metrics.count_kv_staging("kv_staging_batches", why_not)
         return write(blocks)
-    held = _holding()
-    if held is not None:
-        try:
-            why_not = held.add_blocks(target, blocks)
-        except Exception as exc:  # blocks no copy can take: this request's transfer fails
-            plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
-            logger.error("[sglang-dsv41] KV peer write to %s refused: %s: %s", session_id, type(exc).__name__, exc)
-            return -1
-        if why_not is None:
-            plugin_metrics.count_kv_staging("kv_staging_batches", "peer")
-            return 0
     try:
         outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
@@ -392,8 +381,6 @@ def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
     state = state_of(manager)
     if state is None or (state.sender is None and state.transport is None):
         return write(blocks)
-    if state.transport is not None and _holding() is not None:  # held: joins one write, any size
-        return _send_peer(manager, state, session_id, blocks, write)
     if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
         plugin_metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
         return write(blocks)
@@ -577,9 +564,13 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
 #
 # Each send call written on its own costs a launch and a synchronize; a request's
 # last chunk makes three or four (its KV, then the state). On a transfer worker
-# thread, the sends of a last chunk are held (``PeerWrites``) and written as one
-# batch before anything can tell the decode, or the prefill's scheduler, that
-# the request is done:
+# thread, the page-path sends of a last chunk are held (``PeerWrites``) and
+# written as one batch before anything can tell the decode, or the prefill's
+# scheduler, that the request is done. Only page-path sends are held: their
+# sources are KV and state pool pages, which stay put until the request is
+# concluded; a block batch may come from a scratch buffer sglang reuses at once
+# (a DCP pack buffer, a staging buffer), so the block path writes at once. The
+# barriers:
 # - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
 #   the room for an abort and before it counts the chunk as drained (the abort
 #   acknowledgement waits for that count);
