@@ -542,7 +542,7 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     held = _holding()
     if held is not None:
         if held.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
-            return original(self, **call)  # pages this layout cannot take: the block path (still held)
+            return original(self, **call)  # pages this layout cannot take: the block path, at once
         plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
         return 0
     if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
