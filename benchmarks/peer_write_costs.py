@@ -54,13 +54,21 @@ def _median_us(fn, iters: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_runs(prog: str, description: str):
+    """--runs and --iters, checked; None (after one line on stderr) when either is below 1."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--iters", type=int, default=200)
     args = p.parse_args()
     if args.runs < 1 or args.iters < 1:
-        print("peer_write_costs: --runs and --iters must be at least 1", file=sys.stderr)
+        print(f"{prog}: --runs and --iters must be at least 1", file=sys.stderr)
+        return None
+    return args
+
+
+def main() -> int:
+    args = parse_runs("peer_write_costs", __doc__.splitlines()[0])
+    if args is None:
         return 2
     try:
         import torch

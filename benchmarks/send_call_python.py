@@ -26,7 +26,6 @@ range. Needs sglang 0.5.23 importable (the project's venv); no GPU.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from types import SimpleNamespace
@@ -35,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mooncake_routing as bench  # noqa: E402  (the request patterns)
-from peer_write_costs import _median_us  # noqa: E402
+from peer_write_costs import _median_us, parse_runs  # noqa: E402
 
 SESSION = "127.0.0.1:17000"
 BUFFER = 1 << 32  # address space per buffer (nothing is touched)
@@ -134,12 +133,8 @@ def _request(send, tokens, layout, held: bool = False):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--iters", type=int, default=200)
-    args = p.parse_args()
-    if args.runs < 1 or args.iters < 1:
-        print("send_call_python: --runs and --iters must be at least 1", file=sys.stderr)
+    args = parse_runs("send_call_python", __doc__.splitlines()[0])
+    if args is None:
         return 2
     try:
         import sglang.srt.disaggregation.mooncake.conn  # noqa: F401

@@ -26,7 +26,8 @@ batch with one batched copy straight into the decode's pages. Opt-in
    the request's transfer failure. A whole send call given as page lists
    (``PagedLayout``, ``bind_layout``, ``send_paged_batch``) is written the same
    way without ever becoming a block list: its buffers are checked once, each
-   call by its highest page, and the launch table comes from NumPy.
+   call by its highest page, and the paged kernel finds every page's address
+   on the device. ``PeerWrites`` holds several such calls for one write.
 4. Lifetime. A decode restart registers again with new handles; the old
    mappings are closed once no batch is using them, so a restarted decode's
    old KV pool is not held alive by the prefill.
@@ -55,6 +56,7 @@ from sglang_dsv41.core.batch_copy import (
     BatchCopy,
     BatchCopyError,
     PagedCopy,
+    _word_of,
     expand_paged,
     paged_segments,
 )
@@ -594,7 +596,7 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     bits = 0
     for e in entries:
         bits |= e[0] | e[1] | e[2]
-    word = 16 if bits & 15 == 0 else (8 if bits & 7 == 0 else 1)
+    word = _word_of(bits)
     return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows), word,
                        max(e[2] for e in entries), sum(e[2] for e in entries)), None
 
@@ -733,7 +735,7 @@ class PeerWrites:
 
     A request's last sends (its final KV chunk, its state) each cost a launch
     and a synchronize when written one by one; held here they go as one.
-    ``add_*`` keeps a copy of the page lists and holds the target open (a
+    ``add_pages`` keeps a copy of the page lists and holds the target open (a
     newer map cannot close it meanwhile); ``flush`` writes everything and
     returns when it landed, ``discard`` drops it unwritten. Not thread-safe:
     one per sending thread. (Starting the largest call at once, to overlap
@@ -778,12 +780,8 @@ class PeerWrites:
         self._copies, self._held_open = [], {}
         nbytes, self.calls, self.nbytes = self.nbytes, 0, 0
         try:
-            if len(opened) == 1:  # a request's sends go to one decode map
-                target = next(iter(opened.values()))
-                target.transport.write_pages(target, [c for _, c in held])
-            else:  # one batch per map (each transport writes its own way)
-                for target in opened.values():
-                    target.transport.write_pages(target, [c for t, c in held if t is target])
+            for target in opened.values():  # one batch per decode map (a request has one)
+                target.transport.write_pages(target, [c for t, c in held if t is target])
         finally:
             for target in opened.values():
                 target.release()
