@@ -7,9 +7,10 @@ them and times, for transfer batches shaped like a DeepSeek-V4.1 request's
 ``core.peer_copy.send_peer_batch``: turning the engine's block list into
 arrays, translating the destinations into the mapping, the batched copy
 (launch-table upload, kernel, synchronize), and the whole call. Then the page
-path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: checking the
-call, the paged copy, the whole call, holding it (``PeerWrites``); and a
-request's last sends held and written as one. Medians of
+path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: taking the
+call (its page lists as a ``PagedCopy``), the paged copy (launch table with
+its page check, upload, kernel, synchronize), the whole call, holding it
+(``PeerWrites``); and a request's last sends held and written as one. Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 
     PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
@@ -137,13 +138,13 @@ SEND_CALLS = (
 
 
 def paged_costs(args, peer, target, copier, src) -> None:
-    """The page path per send call: the call's check, the paged copy, the whole call, holding it;
+    """The page path per send call: taking the call, the paged copy, the whole call, holding it;
     then a request's last sends held and written as one."""
     from sglang_dsv41.core.peer_copy import PagedLayout, PeerWrites, bind_layout, paged_call, send_paged_batch
 
     span = REGION_BYTES // 64  # each buffer's share of the regions (43 buffers fit)
     end = src.data_ptr() + src.numel()
-    steps = ("check", "paged copy", "whole call", "hold")
+    steps = ("take call", "paged copy", "whole call", "hold")
     results: dict[str, list[list[float]]] = {}
     bound_calls = {}
     for name, items, sp, dp in SEND_CALLS:

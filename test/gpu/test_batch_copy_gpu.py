@@ -290,11 +290,11 @@ def test_random_paged_copies_are_byte_exact(copier, pools, align):
     check_paged(copier, src, dst, copies)
 
 
-def test_a_page_list_longer_than_a_grid_row_is_copied_whole(copier, pools):
+def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
     from sglang_dsv41.core.batch_copy import paged_copy
 
     src, dst = pools
-    pages = 70_000  # one 32 KiB piece each: more than a grid row takes
+    pages = 70_000  # one program each: more than a grid's y dimension takes (the paged grid is 1-D)
     rng = np.random.default_rng(3)
     sp, dp = rng.permutation(pages), rng.permutation(pages)
     dst.zero_()

@@ -21,6 +21,11 @@ def runs_of(entries, src_pages, dst_pages) -> list[tuple[int, int, int]]:
 
 
 def runs_of_paged(copies) -> list[tuple[int, int, int]]:
-    """``runs_of`` over several ``PagedCopy`` in order."""
+    """``runs_of`` over several ``PagedCopy`` in order, or ``PagesOutsideBuffers`` as any copier raises."""
+    from sglang_dsv41.core.batch_copy import pages_outside
+
+    outside = pages_outside(copies)
+    if outside is not None:
+        raise outside
     return [b for c in copies
             for b in runs_of(c.entries.tolist(), c.src_pages.tolist(), c.dst_pages.tolist())]

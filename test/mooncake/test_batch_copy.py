@@ -17,7 +17,7 @@ import pytest
 from sglang_dsv41.core.batch_copy import (
     BatchCopyError,
     HostBatchCopy,
-    _bounded_pages,
+    PagesOutsideBuffers,
     as_batch,
     batch_word,
     expand_paged,
@@ -410,22 +410,114 @@ def test_bad_paged_copies_are_refused(needle, entries, sp, dp):
         paged_copy(entries, sp, dp)
 
 
-def test_paged_table_layout_and_long_lists_cut_to_grid_rows():
+def pieces_of_table(t: np.ndarray, programs: int, chunk: int) -> list[tuple[int, int, int]]:
+    """What each program of the paged kernel copies, read from its table as the kernel reads it."""
+    out = []
+    for p in range(programs):
+        work = int(t[p])
+        row, unit = work >> 32, work & 0xFFFFFFFF
+        src0, dst0, nbytes, at, n = (int(x) for x in t[row:row + 5])
+        pieces = -(-nbytes // chunk)
+        page, first = unit // pieces, unit % pieces * chunk
+        out.append((src0 + int(t[at + page]) * nbytes + first, dst0 + int(t[at + n + page]) * nbytes + first,
+                    min(chunk, nbytes - first)))
+    return out
+
+
+def pieces_of_blocks(s, d, n, chunk: int) -> list[tuple[int, int, int]]:
+    return [(int(a) + k, int(b) + k, min(chunk, int(length) - k))
+            for a, b, length in zip(s, d, n) for k in range(0, int(length), chunk)]
+
+
+def test_paged_table_layout():
     c = paged_copy([(4096, 65536, 1024), (8192, 131072, 40000)], np.array([5, 1], np.int32), [0, 7])
     table = np.zeros(64, np.uint64)
-    word, chunk, segments, units, used = fill_paged_table(lambda nbytes: table, [c], CHUNK)
+    word, programs, used = fill_paged_table(lambda nbytes: table, [c], CHUNK)
     t = table.view(np.int64)
-    assert (word, chunk, segments, units, used) == (16, CHUNK, 2, 2 * 2, 8 * (10 + 4))
-    assert t[:10].tolist() == [4096, 65536, 1024, 10, 2, 8192, 131072, 40000, 10, 2]
-    assert t[10:14].tolist() == [5, 1, 0, 7]
-    # a page list longer than one grid row of pieces is cut, never dropped
+    # programs: 2 pages x 1 piece, then 2 pages x 2 pieces; rows at 6 and 11; pages at 16
+    assert (word, programs, used) == (16, 6, 8 * 20)
+    assert t[:6].tolist() == [(6 << 32) | 0, (6 << 32) | 1] + [(11 << 32) | u for u in range(4)]
+    assert t[6:16].tolist() == [4096, 65536, 1024, 16, 2, 8192, 131072, 40000, 16, 2]
+    assert t[16:20].tolist() == [5, 1, 0, 7]
+    assert pieces_of_table(t, programs, CHUNK) == pieces_of_blocks(*expand_paged([c]), CHUNK)
+
+
+@pytest.mark.parametrize("align", [1, 8, 16])
+def test_paged_tables_name_exactly_the_pieces_of_their_block_list(align):
+    rng = np.random.default_rng(10 + align)
+    copies = random_paged(rng, 1 << 30, 2 << 20, 1 << 32, 3 << 20, align, calls=4)
+    table = np.zeros(1 << 14, np.uint64)
+    for chunk in (1024, 4096, CHUNK):
+        word, programs, used = fill_paged_table(lambda n: table, copies, chunk)
+        assert word >= align
+        want = pieces_of_blocks(*expand_paged(copies), chunk)
+        assert pieces_of_table(table.view(np.int64), programs, chunk) == want
+        assert used == 8 * (programs + 5 * sum(len(c.segments) for c in copies)
+                            + 2 * sum(len(c.src_pages) for c in copies))
+
+
+def test_paged_tables_reuse_their_plan_but_always_carry_this_calls_pages():
+    from sglang_dsv41.core import batch_copy
+
+    kv = paged_copy([(4096, 65536, 1024), (8192, 131072, 2048)], [5, 1], [0, 7])
+    state = paged_copy([(1 << 20, 1 << 21, 512)], [3], [4])
+    table = np.zeros(64, np.uint64)
+    assert not kv.segments.flags.writeable  # plans are keyed by the template's identity
+    _, programs, used = fill_paged_table(lambda n: table, [kv, state], CHUNK)
+    first = table.copy()
+    plans = len(batch_copy._PLANS)
+    head = programs + 15
+    # same shape, other pages: the cached plan, this call's pages
+    other = [kv._replace(src_pages=np.array([9, 8]), dst_pages=np.array([2, 3])),
+             state._replace(dst_pages=np.array([6], np.uint64))]
+    fill_paged_table(lambda n: table, other, CHUNK)
+    assert len(batch_copy._PLANS) == plans
+    t = table.view(np.int64)
+    assert t[:head].tolist() == first.view(np.int64)[:head].tolist()
+    assert t[head:head + 6].tolist() == [9, 8, 2, 3, 3, 6]
+    assert pieces_of_table(t, programs, CHUNK) == pieces_of_blocks(*expand_paged(other), CHUNK)
+    # another page count is another shape
+    shorter = [kv._replace(src_pages=np.array([1]), dst_pages=np.array([2])), state]
+    _, programs, _ = fill_paged_table(lambda n: table, shorter, CHUNK)
+    assert len(batch_copy._PLANS) == plans + 1
+    assert pieces_of_table(t, programs, CHUNK) == pieces_of_blocks(*expand_paged(shorter), CHUNK)
+
+
+def test_long_page_lists_go_in_one_table_and_impossible_ones_are_refused():
     many = 70_000
-    long = paged_copy([(4096, 8192, 16)], np.arange(many), np.arange(many))
-    cut = _bounded_pages([long], CHUNK)
-    assert len(cut) == 2 and sum(len(x.src_pages) for x in cut) == many
-    assert np.array_equal(np.concatenate([x.dst_pages for x in cut]), np.arange(many))
-    big = paged_copy([(4096, 8192, 1 << 20)], np.arange(3000), np.arange(3000))  # 32 pieces a page
-    assert all(len(x.src_pages) * 32 <= 65535 for x in _bounded_pages([big], CHUNK))
+    long = paged_copy([(4096, 8192, 16)], np.arange(many), np.arange(many)[::-1])
+    table = np.zeros(4 * many, np.uint64)
+    _, programs, _ = fill_paged_table(lambda n: table, [long], CHUNK)
+    assert programs == many
+    assert pieces_of_table(table.view(np.int64), programs, CHUNK)[-1] == (4096 + 16 * (many - 1), 8192, 16)
+    huge = paged_copy([(4096, 8192, 1 << 40)], np.arange(256), np.arange(256))  # 2^33 pieces in one buffer
+    with pytest.raises(BatchCopyError, match="beyond one launch"):
+        fill_paged_table(lambda n: table, [huge], CHUNK)
+
+
+@pytest.mark.parametrize("pages, side, page", [
+    (([1, 4], [0, 2]), "source", 4),  # the source buffers hold pages 0-3
+    (([1, 2], [0, 3]), "destination", 3),  # the destination buffers hold pages 0-2
+    ((np.array([1, -2], np.int32), [0, 1]), "source", -2),
+    (([1, 2], np.array([0, 1 << 63], np.uint64)), "destination", -(1 << 63)),  # as the int64 table reads it
+])
+def test_pages_outside_their_buffers_are_refused_before_any_byte_moves(pages, side, page):
+    copier = HostBatchCopy()
+    src_alloc, dst_alloc = copier.allocate(8192), copier.allocate(8192)
+    host_view(src_alloc)[:] = 7
+    c = paged_copy([(src_alloc.ptr, dst_alloc.ptr, 1024)], [0], [0])
+    good = c._replace(src_limit=4, dst_limit=3)
+    bad = c._replace(src_pages=np.asarray(pages[0]), dst_pages=np.asarray(pages[1]), src_limit=4, dst_limit=3)
+    table = np.zeros(64, np.uint64)
+    for refuse in (lambda: fill_paged_table(lambda n: table, [good, bad], CHUNK),
+                   lambda: copier.copy_pages([good, bad])):
+        with pytest.raises(PagesOutsideBuffers, match=f"{side} page {page}") as refused:
+            refuse()
+        assert (refused.value.copy_index, refused.value.side, refused.value.page) == (1, side, page)
+        assert refused.value.negative == (page < 0)
+    assert not host_view(dst_alloc).any()  # the good copy was not written either
+    fill_paged_table(lambda n: table, [good, good._replace(src_pages=np.array([3]), dst_pages=np.array([2]))],
+                     CHUNK)  # the last page on each side is inside
 
 
 INTERPRETED_PAGED_KERNEL = """
@@ -435,22 +527,21 @@ INTERPRETED_PAGED_KERNEL = """
     sys.path.insert(0, {test_dir!r})
     from test_batch_copy import random_paged, expected_bytes
     from sglang_dsv41.core import batch_copy_kernel as k
-    from sglang_dsv41.core.batch_copy import expand_paged, fill_paged_table, _bounded_pages
+    from sglang_dsv41.core.batch_copy import expand_paged, fill_paged_table
 
     for seed, align in ((1, 16), (2, 8), (3, 1), (4, 16)):
         rng = np.random.default_rng(seed)
         src = torch.from_numpy(rng.integers(0, 256, size=1_500_000, dtype=np.uint8))
         dst = torch.from_numpy(rng.integers(0, 256, size=2_500_000, dtype=np.uint8))
         sb, db = src.data_ptr(), dst.data_ptr()
-        copies = _bounded_pages(random_paged(rng, sb, src.numel(), db, dst.numel(), align, calls=3),
-                                k.MIN_CHUNK_BYTES)
+        copies = random_paged(rng, sb, src.numel(), db, dst.numel(), align, calls=3)
         want = expected_bytes(src.numpy(), dst.numpy(), sb, db, *expand_paged(copies))
         table = np.zeros(1 << 14, np.uint64)
-        word, chunk, segments, units, used = fill_paged_table(lambda n: table, copies, k.MIN_CHUNK_BYTES)
-        k.paged_copy_kernel[(segments, units)](torch.from_numpy(table).view(torch.int64), chunk,
-                                               WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
+        word, programs, used = fill_paged_table(lambda n: table, copies, k.PAGED_CHUNK_BYTES)
+        k.paged_copy_kernel[(programs,)](torch.from_numpy(table).view(torch.int64), k.PAGED_CHUNK_BYTES,
+                                         WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
         ok = np.array_equal(dst.numpy(), want)
-        print("CASE", seed, word, segments, units, "ok" if ok else "MISMATCH")
+        print("CASE", seed, word, programs, "ok" if ok else "MISMATCH")
 """
 
 

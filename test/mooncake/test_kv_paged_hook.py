@@ -319,6 +319,27 @@ def test_held_writes_land_before_a_success_status_and_fail_it_when_they_fail(wor
     assert engine == []
 
 
+def test_a_held_page_past_the_decodes_map_fails_the_request_with_nothing_written(worker_thread):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, src, dst, engine, transport = _manager(2, 2)
+    queue, before = _worker_queue(), _held_writes()
+    concluded = []
+
+    def conclude(self, **kw):
+        concluded.append((kw["status"], kw["failure_reason"], len(transport.writes)))
+
+    _take(queue, last=True)
+    far = ([1, 2], [BUF // 256 - 1, BUF // 256])  # the second destination page is past the map
+    assert _send(mgr, src, dst, [256, 256], PAGES) == 0  # a good send held first
+    assert _send(mgr, src, dst, [256, 256], far) == 0  # held: its pages are checked when written
+    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Success)
+    status, reason, writes = concluded[-1]
+    assert status == KVPoll.Failed and f"destination page {BUF // 256}" in reason
+    assert writes == 0 and engine == []  # neither send written, nothing sent the block way
+    assert _delta(before) == {"failed": 1}
+
+
 def test_held_writes_are_never_written_late_or_after_a_failed_state_send(worker_thread):
     mgr, src, dst, engine, transport = _manager(4, 4)
     queue, before = _worker_queue(), _held_writes()

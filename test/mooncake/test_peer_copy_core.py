@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from _paged import runs_of, runs_of_paged
+from sglang_dsv41.core.batch_copy import PagesOutsideBuffers
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_OUTSIDE_PEER_MAP,
@@ -263,9 +264,9 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     assert held.add_pages(kv, src, dst) is None
     assert held.add_pages(state, np.array([5]), np.array([9])) is None
     src[:] = 0  # the caller's arrays change after the call: what is held does not
-    # refused without holding anything: pages past a buffer, negative pages
-    assert held.add_pages(kv, src, np.array([1, 2, 0xC0])) == FALLBACK_OUTSIDE_PEER_MAP
-    assert held.add_pages(kv, np.array([-1, 2, 3]), dst) == "not_pages"
+    # refused without holding anything: not two page lists of one length
+    assert held.add_pages(kv, src, dst[:2]) == "not_pages"
+    assert held.add_pages(kv, src.astype(np.float32), dst) == "not_pages"
     assert len(held) == 2 and held.calls == 2 and held.nbytes == 3 * 0x200 + 0x40
     target.retire()  # a newer map arrived: the mapping stays open for what is held
     assert rec.closed == [] and rec.writes == []
@@ -284,6 +285,28 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     held.discard()
     target2.retire()
     assert len(rec.writes) == 1 and rec.closed[-1] == [b"second"]
+
+
+@pytest.mark.parametrize("src_pages, dst_pages, side, page", [
+    ([1, 2, 3], [1, 2, 0xC0], "destination", 0xC0),  # past the second buffer's exported pages
+    ([1, 0x100, 3], [1, 2, 3], "source", 0x100),  # past the source buffers
+    ([-1, 2, 3], [1, 2, 3], "source", -1),
+])
+def test_a_held_page_outside_its_buffers_fails_the_whole_flush_unwritten(src_pages, dst_pages, side, page):
+    rec = _Recorder()
+    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
+    device = _device((0x50000, 0x10000), (0x60000, 0x10000))
+    kv, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]), target, device)
+    state, _ = bind_layout(PagedLayout.of([(0x58000, 0x10C000, 0x40)]), target, device)
+    held = PeerWrites()
+    assert held.add_pages(state, np.array([5]), np.array([9])) is None  # a good call held first
+    assert held.add_pages(kv, np.array(src_pages, np.int32), np.array(dst_pages, np.int64)) is None
+    with pytest.raises(PagesOutsideBuffers, match=f"{side} page {page}") as refused:
+        held.flush()
+    assert (refused.value.copy_index, refused.value.side, refused.value.page) == (1, side, page)
+    assert rec.writes == [] and len(held) == 0  # nothing of the request written, nothing left held
+    target.retire()
+    assert rec.closed == [[b"handle"]]  # and the map released
 
 
 def test_a_failed_held_write_raises_and_releases_its_map():

@@ -114,7 +114,8 @@ def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # --- page-addressed batches -------------------------------------------------------
 
 PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table (batch_copy_kernel)
-_MAX_UNITS = 65535  # a grid's y limit: pages x pieces of one segment
+_MAX_PROGRAMS = (1 << 31) - 1  # a grid's x limit
+NO_PAGE_LIMIT = 1 << 63  # page ids are compared as unsigned: this limit refuses only negative ones
 
 
 class PagedCopy(NamedTuple):
@@ -137,17 +138,50 @@ class PagedCopy(NamedTuple):
     word: int  # the widest access every address and page size allows
     max_item: int  # the largest bytes per page
     page_bytes: int  # bytes one page pair moves over every buffer
+    # Pages every buffer holds on each side: the copy refuses a page at or past
+    # it (``PagesOutsideBuffers``) before anything is written.
+    src_limit: int = NO_PAGE_LIMIT
+    dst_limit: int = NO_PAGE_LIMIT
 
     @property
     def entries(self) -> np.ndarray:
         return self.segments[:, :3]
 
 
+class PagesOutsideBuffers(BatchCopyError):
+    """A paged copy names a page its buffers do not hold; nothing of the launch was written."""
+
+    def __init__(self, copy_index: int, side: str, page: int, limit: int):
+        self.copy_index, self.side, self.page, self.limit = copy_index, side, page, limit
+        self.negative = page < 0
+        held = f"the {side} buffers hold pages 0 to {limit - 1}" if limit < NO_PAGE_LIMIT else "pages are never negative"
+        super().__init__(f"paged copy {copy_index} names {side} page {page}; {held}")
+
+
 def paged_segments(rows: np.ndarray) -> np.ndarray:
-    """The (buffers x PAGED_SEGMENT_WORDS) template of ``rows`` (buffers x 3, int64)."""
+    """The (buffers x PAGED_SEGMENT_WORDS) template of ``rows`` (buffers x 3, int64), read-only.
+
+    Read-only because launch plans are remembered by the template's identity.
+    """
     out = np.zeros((len(rows), PAGED_SEGMENT_WORDS), dtype=np.int64)
     out[:, :3] = rows
+    out.flags.writeable = False
     return out
+
+
+def pages_outside(copies: Sequence[PagedCopy]) -> Optional[PagesOutsideBuffers]:
+    """The first page of ``copies`` outside its buffers, else None.
+
+    As the launch table sees them: int64, compared as unsigned, so a negative
+    page is past every limit.
+    """
+    for i, c in enumerate(copies):
+        for side, pages, limit in (("source", c.src_pages, c.src_limit), ("destination", c.dst_pages, c.dst_limit)):
+            wide = np.asarray(pages).astype(np.int64)
+            bad = np.flatnonzero(wide.view(np.uint64) >= np.uint64(limit))
+            if bad.size:
+                return PagesOutsideBuffers(i, side, int(wide[bad[0]]), limit)
+    return None
 
 
 def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
@@ -174,7 +208,13 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
 
 
 def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order."""
+    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order.
+
+    Raises ``PagesOutsideBuffers`` as the device copy does.
+    """
+    outside = pages_outside(copies)
+    if outside is not None:
+        raise outside
     parts = []
     for c in copies:
         if not len(c.entries) or not len(c.src_pages):
@@ -189,57 +229,93 @@ def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, n
     return tuple(np.concatenate([p[k] for p in parts]).view(np.uint64) for k in range(3))
 
 
-def _bounded_pages(copies: Sequence[PagedCopy], min_chunk: int) -> list[PagedCopy]:
-    """``copies`` without empty ones, long page lists cut so one segment fits a grid row."""
-    most = max(1, _MAX_UNITS // max(1, -(-max(c.max_item for c in copies) // min_chunk)))
-    out = []
+class _PagedPlan(NamedTuple):
+    """What a launch table holds besides the page ids, for one shape of copies."""
+
+    head: np.ndarray  # flat int64: the work words, then every segment row (page places filled in)
+    limits: np.ndarray  # uint64, one per page slot of the table: the first page its buffers lack
+    words: int  # table length: the head, then each copy's source and destination pages
+    word: int
+    programs: int
+    templates: tuple  # the copies' segment templates: kept alive, so their ids stay theirs
+
+
+# Launch plans by (chunk, per copy: template id, pages, word, limits). A transfer worker
+# sends requests of few shapes (one KV layout, its state layouts, a page count per
+# chunk length), so a request's table is its cached head and its page ids in one
+# NumPy call. Cleared when full rather than kept in order: a miss costs a few calls.
+_PLANS: dict = {}
+_PLANS_MAX_WORDS = 4 << 20  # 32 MiB of cached heads at most
+_plans_words = 0  # approximate under concurrent senders: it only decides when to clear
+
+
+def _paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
+    counts = [len(c.segments) for c in copies]
+    segments = sum(counts)
+    rows = np.zeros((segments, PAGED_SEGMENT_WORDS), dtype=np.int64)
+    if segments:
+        np.concatenate([c.segments for c in copies], out=rows)
+    pages = np.repeat(np.array([len(c.src_pages) for c in copies], dtype=np.int64), counts)
+    units = pages * -(-rows[:, 2] // chunk)  # programs per segment
+    if segments and int(units.max()) >= 1 << 32:
+        raise BatchCopyError(f"a paged copy of {int(units.max())} pieces of {chunk} bytes in one buffer "
+                             "is beyond one launch")
+    programs = int(units.sum())
+    if programs > _MAX_PROGRAMS:
+        raise BatchCopyError(f"a paged copy of {programs} pieces of {chunk} bytes is beyond one launch")
+    rows_at = programs
+    if rows_at + PAGED_SEGMENT_WORDS * segments > _MAX_PROGRAMS:  # row indices ride in a work word's high half
+        raise BatchCopyError(f"a paged copy of {programs} pieces and {segments} buffers is beyond one launch")
+    places, limits, sizes = [], [], []
+    at = rows_at + PAGED_SEGMENT_WORDS * segments
+    word = 16
     for c in copies:
         n = len(c.src_pages)
-        if not n or not len(c.entries):
-            continue
-        if n <= most:
-            out.append(c)
-            continue
-        for k in range(0, n, most):
-            out.append(c._replace(src_pages=c.src_pages[k:k + most], dst_pages=c.dst_pages[k:k + most]))
-    return out
+        places.append(at)
+        limits += (c.src_limit, c.dst_limit)
+        sizes += (n, n)
+        at += 2 * n
+        word = min(word, c.word)
+    if segments:
+        rows[:, 3] = np.repeat(np.array(places, dtype=np.int64), counts)
+        rows[:, 4] = pages
+    # program p: its segment row's table index in the high word, its unit in the low one
+    row_index = rows_at + PAGED_SEGMENT_WORDS * np.arange(segments, dtype=np.int64)
+    first = np.cumsum(units) - units
+    work = np.repeat(row_index << 32, units) + (np.arange(programs, dtype=np.int64) - np.repeat(first, units))
+    head = np.concatenate([work, rows.ravel()])
+    return _PagedPlan(head, np.repeat(np.array(limits, dtype=np.uint64), sizes), at, word, programs,
+                      tuple(c.segments for c in copies))
 
 
-def fill_paged_table(reserve, copies: Sequence[PagedCopy], min_chunk: int) -> tuple[int, int, int, int, int]:
-    """Write the paged kernel's table; returns (word, chunk, segments, units, bytes used).
+def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[int, int, int]:
+    """Write the paged kernel's table; returns (word, programs, bytes used).
 
     ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
-    ``units`` above the grid's limit (``_MAX_UNITS``) means the page lists
-    must be cut first (``_bounded_pages``). A flush of a request's held sends
-    lands here: the table is written with a fixed handful of NumPy calls
+    Every page id is checked against its copy's limits in the table itself
+    (``PagesOutsideBuffers``). A flush of a request's held sends lands here:
+    besides the plan cache, one NumPy call writes the table and two check it,
     whatever the number of copies.
     """
-    seg_counts = [len(c.segments) for c in copies]
-    segments = sum(seg_counts)
-    at = PAGED_SEGMENT_WORDS * segments
-    parts = [c.segments.ravel() for c in copies]
-    places = []
-    word, item, pages = 16, 0, 0
+    global _plans_words
+    key = (chunk, *[(id(c.segments), len(c.src_pages), c.word, c.src_limit, c.dst_limit) for c in copies])
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _paged_plan(copies, chunk)
+        if _plans_words + plan.words > _PLANS_MAX_WORDS:
+            _PLANS.clear()
+            _plans_words = 0
+        if plan.words <= _PLANS_MAX_WORDS:
+            _PLANS[key] = plan
+            _plans_words += plan.words
+    words = reserve(8 * plan.words)
+    parts = [plan.head]
     for c in copies:
-        n = len(c.src_pages)
-        parts.append(c.src_pages)
-        parts.append(c.dst_pages)
-        places.append((at, n))
-        at += 2 * n
-        if c.word < word:
-            word = c.word
-        if c.max_item > item:
-            item = c.max_item
-        if n > pages:
-            pages = n
-    table = reserve(8 * at).view(np.int64)
-    np.concatenate(parts, out=table[:at])
-    if segments:
-        rows = table[:PAGED_SEGMENT_WORDS * segments].reshape(segments, PAGED_SEGMENT_WORDS)
-        rows[:, 3:] = np.repeat(np.array(places, dtype=np.int64), seg_counts, axis=0)
-    chunk = min_chunk
-    pieces = -(-item // chunk) if item else 0
-    return word, chunk, segments, pages * pieces, 8 * at
+        parts += (c.src_pages, c.dst_pages)
+    np.concatenate(parts, out=words[:plan.words].view(np.int64))
+    if (words[len(plan.head):plan.words] >= plan.limits).any():  # negative pages read as huge
+        raise pages_outside(copies) or BatchCopyError("paged copy page check disagrees with itself")
+    return plan.word, plan.programs, 8 * plan.words
 
 
 class HostBatchCopy:
@@ -643,7 +719,7 @@ class CudaBatchCopy:
                     block = kernels.BLOCK_ELEMENTS[word]
                     if paged:
                         compiled = kernels.paged_copy_kernel.warmup(
-                            dummy, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
+                            dummy, kernels.PAGED_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
                     else:
                         compiled = kernels.batch_copy_kernel.warmup(
                             dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
@@ -670,20 +746,16 @@ class CudaBatchCopy:
 
     def _copy_paged(self, lane: _Lane, copies, started: float) -> None:
         kernels = self._kernels
-        word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
-        if units > _MAX_UNITS:  # a page list longer than a grid row takes: cut it, write again
-            copies = _bounded_pages(copies, kernels.MIN_CHUNK_BYTES)
-            word, chunk, segments, units, used = fill_paged_table(lane.reserve, copies, kernels.MIN_CHUNK_BYTES)
-            if units > _MAX_UNITS:
-                raise BatchCopyError(f"a page of more than {_MAX_UNITS} x {chunk} bytes is beyond one launch")
-        if not segments or not units:
+        chunk = kernels.PAGED_CHUNK_BYTES
+        word, programs, used = fill_paged_table(lane.reserve, copies, chunk)
+        if not programs:
             return
         block = kernels.BLOCK_ELEMENTS[word]
-        compiled = self._compile(kernels, word, paged=True)
+        compiled = self._compiled.get((True, word)) or self._compile(kernels, word, paged=True)
         direct = self._direct.get(word) if self._use_direct else None
-        self._launch(lane, used, compiled, (segments, units, 1),
+        self._launch(lane, used, compiled, (programs, 1, 1),
                      (lane.device_ptr, chunk, word, block),
-                     lambda: kernels.paged_copy_kernel[(segments, units)](
+                     lambda: kernels.paged_copy_kernel[(programs,)](
                          lane.device_table, chunk, WORD=word, BLOCK=block),
                      started, direct, (lane.device_ptr, chunk))
 

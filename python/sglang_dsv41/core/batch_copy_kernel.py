@@ -11,17 +11,20 @@ chunk) of entry e, and returns at once where the entry is shorter. ``chunk``
 (bytes, a power of two, at least ``MIN_CHUNK_BYTES``) is picked per batch by
 the host so that the grid stays a small multiple of the useful programs.
 
-``paged_copy_kernel`` takes pages instead of blocks (``batch_copy.PagedCopy``):
-its table is one row of five int64 per segment (one buffer of one call),
+``paged_copy_kernel`` takes pages instead of blocks (``batch_copy.PagedCopy``).
+Its table, written by ``batch_copy.fill_paged_table``, is
 
-    [page-0 source, page-0 destination, bytes per page, index of the call's
-     page pairs in the table, number of pairs]
+    [work x P | segment rows | each call's source pages, then destination pages]
 
-followed by each call's source pages then destination pages. The grid is
-(segments, units): program (s, u) copies piece u % pieces of page pair
-u // pieces of segment s, where pieces = ceil(bytes per page / chunk), and
-returns at once past the segment's pages. Addresses come from the page ids on
-the device, so the host never builds a per-block list.
+with one segment row of five int64 per buffer of a call: page-0 source, page-0
+destination, bytes per page, where the call's page pairs start in the table,
+number of pairs. The grid is 1-D, one program per useful piece (P of them):
+work word p is (table index of the program's segment row << 32) | unit, and
+unit u copies piece u % pieces of page pair u // pieces, where pieces =
+ceil(bytes per page / chunk). So no program starts just to find it has
+nothing to copy, and the host never builds a per-block list: addresses come
+from the page ids on the device. The work words depend only on the shape of
+the copies (page counts, not page ids), so the host reuses them.
 
 ``WORD`` is what the batch's alignment allows: 16 (every pointer and length a
 multiple of 16: 128-bit loads and stores), 8 (64-bit), 1 (bytes).
@@ -33,6 +36,9 @@ import triton
 import triton.language as tl
 
 MIN_CHUNK_BYTES = 32768  # small enough to spread one entry over many SMs
+# The paged kernel's piece: it starts no idle programs, so smaller pieces than the
+# block kernel's spread a request's few pages over more SMs.
+PAGED_CHUNK_BYTES = 16384
 BLOCK_ELEMENTS = {16: 1024, 8: 1024, 1: 4096}  # elements per step (8 KiB or 4 KiB)
 
 
@@ -76,15 +82,14 @@ def batch_copy_kernel(table, n_entries, chunk, WORD: tl.constexpr, BLOCK: tl.con
 
 @triton.jit(do_not_specialize=["chunk"])
 def paged_copy_kernel(table, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (s, u): piece u % pieces of page u // pieces of segment s (see the module notes)."""
-    segment = table + 5 * tl.program_id(0).to(tl.int64)  # batch_copy.PAGED_SEGMENT_WORDS
-    unit = tl.program_id(1).to(tl.int64)
+    """Program p: the piece its work word names (see the module notes)."""
+    work = tl.load(table + tl.program_id(0))
+    segment = table + (work >> 32)
+    unit = work & 0xFFFFFFFF
     nbytes = tl.load(segment + 2)  # bytes per page, never 0
     pieces = (nbytes + chunk - 1) // chunk
     page = unit // pieces
-    n_pages = tl.load(segment + 4)
-    if page < n_pages:
-        pages = table + tl.load(segment + 3)
-        src = tl.load(segment) + tl.load(pages + page) * nbytes
-        dst = tl.load(segment + 1) + tl.load(pages + n_pages + page) * nbytes
-        _copy_piece(src, dst, (unit - page * pieces) * chunk, nbytes, chunk, WORD, BLOCK)
+    pages = table + tl.load(segment + 3)
+    src = tl.load(segment) + tl.load(pages + page) * nbytes
+    dst = tl.load(segment + 1) + tl.load(pages + tl.load(segment + 4) + page) * nbytes
+    _copy_piece(src, dst, (unit - page * pieces) * chunk, nbytes, chunk, WORD, BLOCK)

@@ -25,9 +25,12 @@ batch with one batched copy straight into the decode's pages. Opt-in
    sends the batch the direct way, counted with its reason; a failed copy is
    the request's transfer failure. A whole send call given as page lists
    (``PagedLayout``, ``bind_layout``, ``send_paged_batch``) is written the same
-   way without ever becoming a block list: its buffers are checked once, each
-   call by its highest page, and the paged kernel finds every page's address
-   on the device. ``PeerWrites`` holds several such calls for one write.
+   way without ever becoming a block list: its buffers are checked once, the
+   copy refuses any page past the smallest buffer on either side before it
+   writes (one comparison of the whole launch table), and the paged kernel
+   finds every page's address on the device. ``PeerWrites`` holds several
+   such calls for one write; a held page outside its buffers fails that
+   write (the request), nothing of it written.
 4. Lifetime. A decode restart registers again with new handles; the old
    mappings are closed once no batch is using them, so a restarted decode's
    old KV pool is not held alive by the prefill.
@@ -56,6 +59,7 @@ from sglang_dsv41.core.batch_copy import (
     BatchCopy,
     BatchCopyError,
     PagedCopy,
+    PagesOutsideBuffers,
     _word_of,
     expand_paged,
     paged_segments,
@@ -559,8 +563,8 @@ class BoundLayout:
 
     Every entry's pages start at page 0 of a buffer, and all entries of a call
     take the same page numbers, so a call is inside every buffer on both sides
-    exactly when its highest page is below the smallest per-entry page count:
-    one comparison per side and call, whatever the number of entries.
+    exactly when each of its pages is below the smallest per-entry page count
+    of its side: the copy's page limits, checked whatever the number of entries.
     """
 
     target: "PeerTarget"
@@ -667,34 +671,35 @@ PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
 PAGED_NOT_PAGES = "not_pages"
 
 
-def _checked_pages(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[np.ndarray], Optional[np.ndarray], Optional[str]]:
-    """(src pages, dst pages, None), or (None, None, why the page path cannot take them).
-
-    Two integer page lists of one length whose highest page stays inside
-    every buffer on its side (negative pages, seen as unsigned, are the
-    highest of all).
-    """
-    p, d = _page_array(src_pages), _page_array(dst_pages)
-    if p is None or d is None or p.shape != d.shape:
-        return None, None, PAGED_NOT_PAGES
-    top_src = int(p.view(_UNSIGNED[p.dtype.itemsize]).max())
-    top_dst = int(d.view(_UNSIGNED[d.dtype.itemsize]).max())
-    if top_src >= bound.src_pages or top_dst >= bound.dst_pages:
-        if min(int(p.min()), int(d.min())) < 0:
-            return None, None, PAGED_NOT_PAGES
-        return None, None, (PAGED_SOURCE_NOT_DEVICE if top_src >= bound.src_pages else PAGED_OUTSIDE_PEER_MAP)
-    return p, d, None
+def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """Two integer page arrays of one length, or (None, None). Their ids are checked
+    against the buffers by the copy itself (``PagedCopy`` limits), in the launch table.
+    Called once per send: sglang's own arrays pass without a conversion."""
+    if type(p) is not np.ndarray or type(d) is not np.ndarray:
+        p, d = np.asarray(p), np.asarray(d)
+    if p.ndim != 1 or p.shape != d.shape or not p.size or p.dtype.kind not in "iu" or d.dtype.kind not in "iu":
+        return None, None
+    return p, d
 
 
 def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[PagedCopy], Optional[str]]:
-    """(the call's paged copy, None), or (None, why the page path cannot take it)."""
-    p, d, why_not = _checked_pages(bound, src_pages, dst_pages)
-    if why_not is not None:
-        return None, why_not
-    return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes), None
+    """(the call's paged copy, None), or (None, why the page path cannot take it).
+
+    The copy carries the layout's page counts: writing it refuses pages
+    outside the buffers on either side (``PagesOutsideBuffers``).
+    """
+    p, d = _page_lists(src_pages, dst_pages)
+    if p is None:
+        return None, PAGED_NOT_PAGES
+    return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes,
+                     bound.src_pages, bound.dst_pages), None
 
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+def outside_reason(exc: PagesOutsideBuffers) -> str:
+    """The block-path reason for a call whose pages the copy refused."""
+    if exc.negative:
+        return PAGED_NOT_PAGES
+    return PAGED_SOURCE_NOT_DEVICE if exc.side == "source" else PAGED_OUTSIDE_PEER_MAP
 
 
 def _few_blocks(bound: BoundLayout, copy: PagedCopy, min_blocks: int) -> bool:
@@ -704,7 +709,8 @@ def _few_blocks(bound: BoundLayout, copy: PagedCopy, min_blocks: int) -> bool:
         return True
     if entries >= min_blocks:
         return False
-    return entries * len(page_runs(copy.src_pages, copy.dst_pages)) < min_blocks
+    runs = page_runs(copy.src_pages, copy.dst_pages)
+    return runs is not None and entries * len(runs) < min_blocks  # None: negative pages, refused by the copy
 
 
 def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
@@ -712,8 +718,9 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
 
     No block list: the paged kernel finds each page's address on the device.
     Returns ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set
-    (nothing written) when the call should take the block path; raises when
-    the copy failed (the request's transfer failure).
+    (nothing written) when the call should take the block path, including
+    pages outside the buffers (refused by the copy before it writes); raises
+    when the copy failed (the request's transfer failure).
     """
     copy, why_not = paged_call(bound, src_pages, dst_pages)
     if copy is None:
@@ -725,6 +732,8 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
         return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
     try:
         target.transport.write_pages(target, [copy])
+    except PagesOutsideBuffers as exc:
+        return PeerOutcome(-1, outside_reason(exc))
     finally:
         target.release()
     return PeerOutcome(0, None, len(copy.src_pages) * bound.page_bytes)
@@ -753,23 +762,28 @@ class PeerWrites:
         return len(self._copies)
 
     def _hold_open(self, target: PeerTarget) -> bool:
-        if id(target) in self._held_open:
-            return True
+        """Acquire ``target`` for what is held (the caller checked it is not held open yet)."""
         if not target.acquire():  # retired meanwhile: a newer map replaced it
             return False
         self._held_open[id(target)] = target
         return True
 
     def add_pages(self, bound: BoundLayout, src_pages, dst_pages) -> Optional[str]:
-        """Hold one call's pages; None, or why the page path cannot take it (nothing held)."""
-        p, d, why_not = _checked_pages(bound, src_pages, dst_pages)
-        if why_not is not None:
-            return why_not
-        if not self._hold_open(bound.target):
+        """Hold one call's pages; None, or why the page path cannot take it (nothing held).
+
+        Page ids are checked when written, for every held call at once: one
+        outside its buffers fails the flush (``PagesOutsideBuffers``, nothing
+        written), which is the request's failure.
+        """
+        p, d = _page_lists(src_pages, dst_pages)
+        if p is None:
+            return PAGED_NOT_PAGES
+        target = bound.target
+        if id(target) not in self._held_open and not self._hold_open(target):
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies.
-        self._copies.append((bound.target, PagedCopy(bound.segments, np.array(p), np.array(d), bound.word,
-                                                     bound.max_item, bound.page_bytes)))
+        self._copies.append((target, PagedCopy(bound.segments, p.copy(), d.copy(), bound.word, bound.max_item,
+                                               bound.page_bytes, bound.src_pages, bound.dst_pages)))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None

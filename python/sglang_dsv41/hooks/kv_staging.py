@@ -507,7 +507,9 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     the pages go as one batched copy built in NumPy. Anything the page path
     does not cover (another mode, no peer map, separate destination pages per
     buffer, few blocks, sources outside device memory, destinations outside
-    the map) is upstream's call as it was, through the block path.
+    the map) is upstream's call as it was, through the block path. A held
+    send's pages are checked when the held writes are made: one outside its
+    buffers fails the request there (its block path is gone by then).
     """
     call = dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
                 dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
