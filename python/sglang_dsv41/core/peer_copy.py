@@ -781,9 +781,10 @@ class PeerWrites:
         target = bound.target
         if id(target) not in self._held_open and not self._hold_open(target):
             return FALLBACK_NO_PEER_MAP
-        # The caller's arrays may change once it returns: hold copies.
-        self._copies.append((target, PagedCopy(bound.segments, p.copy(), d.copy(), bound.word, bound.max_item,
-                                               bound.page_bytes, bound.src_pages, bound.dst_pages)))
+        # The caller's arrays may change once it returns: hold copies, as int64 (the launch
+        # table's type: the flush then writes them without converting).
+        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64), bound.word,
+                                               bound.max_item, bound.page_bytes, bound.src_pages, bound.dst_pages)))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None
