@@ -253,12 +253,19 @@ def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
     assert bind_layout(PagedLayout.of([(1 << 63, 0x100000, 0x100)]), target, lambda a: 1 << 20)[1] == "not_pages"
 
 
-def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
+def _kv_and_state():
+    """A recording target and two layouts bound to it: KV (two buffers of 0x100-byte pages,
+    0xC0 destination pages in the second) and a one-buffer state of 0x40-byte pages."""
     rec = _Recorder()
     target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
     device = _device((0x50000, 0x10000), (0x60000, 0x10000))
     kv, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]), target, device)
     state, _ = bind_layout(PagedLayout.of([(0x58000, 0x10C000, 0x40)]), target, device)
+    return rec, target, device, kv, state
+
+
+def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
+    rec, target, device, kv, state = _kv_and_state()
     held = PeerWrites()
     src, dst = np.array([1, 2, 3], np.int32), np.array([7, 8, 20], np.int32)
     assert held.add_pages(kv, src, dst) is None
@@ -293,11 +300,7 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     ([-1, 2, 3], [1, 2, 3], "source", -1),
 ])
 def test_a_held_page_outside_its_buffers_fails_the_whole_flush_unwritten(src_pages, dst_pages, side, page):
-    rec = _Recorder()
-    target = PeerTarget(_map((0x100000, 0x10000, 0)), [0x7000000], rec, [b"handle"])
-    device = _device((0x50000, 0x10000), (0x60000, 0x10000))
-    kv, _ = bind_layout(PagedLayout.of([(0x50000, 0x100000, 0x100), (0x60000, 0x104000, 0x100)]), target, device)
-    state, _ = bind_layout(PagedLayout.of([(0x58000, 0x10C000, 0x40)]), target, device)
+    rec, target, device, kv, state = _kv_and_state()
     held = PeerWrites()
     assert held.add_pages(state, np.array([5]), np.array([9])) is None  # a good call held first
     assert held.add_pages(kv, np.array(src_pages, np.int32), np.array(dst_pages, np.int64)) is None
