@@ -159,6 +159,14 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
     # request-state call included.
     assert rows["8k runs of 8"]["held_batches"] == {"peer_pages": 3, "held_writes": 1}
     assert rows["state alone"]["held_batches"] == {"peer_pages": 2, "held_writes": 1}
+    # where a held request's time went: no earlier chunk in these one-chunk requests, then the
+    # holding and the one write (no GPU copier here: no submitted/waited split)
+    for row in rows.values():
+        phases = row["held_phases_us"]
+        assert set(phases) == {"earlier", "hold", "write"}
+        assert phases["hold"] > 0 and phases["write"] > 0
+        assert phases["earlier"] < phases["hold"] + phases["write"]
+    assert "earlier us" in proc.stdout and "hold us" in proc.stdout
     assert result["peer_min_blocks"] == 8
     assert result["runs"][0]["memory_backend"] == "InjectedKinds"
     assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
@@ -217,3 +225,13 @@ def test_send_call_python_runs_every_way_against_sglangs_send_code():
 def test_send_call_python_answers_bad_input_with_one_line():
     proc = _run_script("send_call_python.py", "--runs", "0", timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "at least 1" in proc.stderr
+
+
+def test_peer_goals_are_judged_only_on_the_gpu(capsys):
+    bench.print_peer_goals({"8k contiguous": 1.5, "32k fragmented": 3.5}, path="held")
+    gpu = capsys.readouterr().out.splitlines()
+    assert gpu == ["goal: 32k fragmented held within 3x of one contiguous write: 3.50x, NOT met",
+                   "goal: 8k contiguous held within 2x of one contiguous write: 1.50x, met"]
+    bench.print_peer_goals({"8k contiguous": 0.3}, path="held", gpu=False)
+    cpu = capsys.readouterr().out
+    assert cpu.endswith("0.30x, not judged in CPU mode\n") and "met" not in cpu
