@@ -46,6 +46,9 @@ m.count_encodes_saved(2)
 m.count_side_channel("sent", 4, 4096)
 m.count_side_channel_drop("receive")
 m.count_agreement_failure()
+for label in ("peer_pages", "peer_pages", "failed"):
+    m.count_kv_staging("kv_staging_batches", label)
+m.count_kv_staging("kv_staging_held_writes", "written")
 print(json.dumps({{"decided": decided, "imported_early": imported_early,
                    "imported_now": "prometheus_client" in sys.modules}}))
 """  # exits without an explicit flush: the exit handler exports the last counts
@@ -138,6 +141,9 @@ def test_counts_of_another_process_reach_sglangs_metrics_endpoint(tmp_path, monk
         'sglang_dsv41_side_channel_bytes_total{direction="sent"}': 4096.0,
         'sglang_dsv41_side_channel_drops_total{direction="receive"}': 1.0,
         'sglang_dsv41_pd_pairings_refused_total': 1.0,
+        'sglang_dsv41_kv_staging_batches_total{path="peer_pages"}': 2.0,
+        'sglang_dsv41_kv_staging_batches_total{path="failed"}': 1.0,
+        'sglang_dsv41_kv_staging_held_writes_total{outcome="written"}': 1.0,
         f'sglang_dsv41_launch_guard_active{{rule="{DP_RULE}"}}': 1.0,
     }
 
@@ -184,14 +190,21 @@ def test_counts_from_many_threads_are_exact(tmp_path):
             for _ in range(20000):
                 m.count_side_channel("sent", 1, 10)
                 m.count_agreement_round()
+                m.count_kv_staging("kv_staging_batches", "peer_pages")
         threads = [threading.Thread(target=worker) for _ in range(4)]
         for t in threads: t.start()
         for t in threads: t.join()
         t = m.totals()
-        print(t["side_channel_blocks"]["sent"], t["side_channel_bytes"]["sent"], t["owner_agreement_rounds"][""])
+        print(t["side_channel_blocks"]["sent"], t["side_channel_bytes"]["sent"], t["owner_agreement_rounds"][""],
+              t["kv_staging_batches"]["peer_pages"])
+        try:
+            m.count_kv_staging("kv_staging_batchez", "peer")
+        except KeyError as exc:
+            print("refused", exc)
     """, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["80000", "800000", "80000"]
+    assert done.stdout.split()[:4] == ["80000", "800000", "80000", "80000"]
+    assert "refused" in done.stdout and "kv_staging_batchez" in done.stdout
 
 
 @pytest.mark.timeout(400)

@@ -127,13 +127,14 @@ BY_NAME: Dict[str, Series] = {s.name: s for s in SERIES}
 # ones go to ``_shared`` under a lock. Totals only grow; the flusher exports the
 # difference to what it exported before.
 class _Tally:
-    __slots__ = ("rounds", "saved", "sc_blocks", "sc_bytes")
+    __slots__ = ("rounds", "saved", "sc_blocks", "sc_bytes", "kv")
 
     def __init__(self):
         self.rounds = 0
         self.saved = 0
         self.sc_blocks: Dict[str, int] = {}
         self.sc_bytes: Dict[str, int] = {}
+        self.kv: Dict[Tuple[str, str], int] = {}  # KV staging events: (series, label) -> count
 
 
 _local = threading.local()
@@ -214,9 +215,27 @@ def count_side_channel_drop(direction: str) -> None:
     _add("side_channel_drops", direction)
 
 
+_KV_STAGING_SERIES = frozenset(("kv_staging_batches", "kv_staging_held_writes", "kv_staging_scatters",
+                                "kv_staging_grants"))
+
+
 def count_kv_staging(series: str, label: str) -> None:
-    """One KV staging event: ``series`` is kv_staging_batches, _held_writes, _scatters or _grants."""
-    _add(series, label)
+    """One KV staging event: ``series`` is kv_staging_batches, _held_writes, _scatters or _grants.
+
+    A hot path (every send of a request in peer mode): counted in this thread's
+    tally; a failure is exported soon.
+    """
+    if _counting:
+        if series not in _KV_STAGING_SERIES:
+            raise KeyError(f"not a KV staging series: {series}")
+        try:
+            tally = _local.tally
+        except AttributeError:
+            tally = _new_tally()
+        key = (series, label)
+        tally.kv[key] = tally.kv.get(key, 0) + 1
+        if label == "failed":
+            _wake.set()
 
 
 def count_agreement_failure() -> None:
@@ -263,6 +282,9 @@ def totals() -> Dict[str, Dict[str, float]]:
                 label = getattr(route, "value", route)
                 into[label] = into.get(label, 0) + value
     for tally in tallies:
+        for (name, label), value in dict(tally.kv).items():
+            into = out[name]
+            into[label] = into.get(label, 0) + value
         for name, per in (("side_channel_blocks", dict(tally.sc_blocks)),
                           ("side_channel_bytes", dict(tally.sc_bytes)),
                           ("owner_agreement_rounds", {"": tally.rounds}),
