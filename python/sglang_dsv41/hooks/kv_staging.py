@@ -463,21 +463,25 @@ class _LearntCall:
     checked: Optional[tuple[PeerTarget, Optional[BoundLayout]]] = None
 
 
-def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[int, Optional[_LearntCall]]:
-    """(rc, the call's learnt layout): learnt once per kind of call.
+def _layout_key(session_id, state_type, force_flat, *lists) -> tuple:
+    """What a call's pairing depends on: the session, the state type, flat or not, and the
+    pointer, length and layer-id lists (as tuples: sglang may change a list in place)."""
+    return (session_id, state_type, force_flat, *[None if v is None else tuple(v) for v in lists])
+
+
+def _paged_layout(original, manager, state: StagingState, key: tuple, call_as_given) -> tuple[int, Optional[_LearntCall]]:
+    """(rc, the call's learnt layout): learnt once per kind of call (``key``, ``_layout_key``).
 
     The pairing depends only on the session, the state type and the pointer,
     length and layer-id lists (and the manager's fixed layout), never on the
-    pages: those values are the key, so a decode that registers again with
-    other buffers is learnt anew. rc != 0: upstream refused the call.
+    pages: so a decode that registers again with other buffers is learnt anew.
+    ``call_as_given()``: upstream's keyword arguments, built only to learn.
+    rc != 0: upstream refused the call.
     """
-    key = (call["mooncake_session_id"], call["state_type"], call["force_flat"]) + tuple(
-        None if call[k] is None else tuple(call[k]) for k in (
-            "src_data_ptrs", "dst_data_ptrs", "item_lens", "src_layer_ids", "dst_layer_ids", "dst_item_lens"))
     known = state.layouts.get(key)
     if known is not None:
         return 0, known
-    rc, entries = _capture_layout(original, manager, call)
+    rc, entries = _capture_layout(original, manager, call_as_given())
     if rc != 0 or not entries:
         return rc, None
     learnt = _LearntCall(PagedLayout.of(entries))
@@ -486,6 +490,19 @@ def _paged_layout(original, manager, state: StagingState, call: dict) -> tuple[i
             state.layouts.clear()
         state.layouts[key] = learnt
     return 0, learnt
+
+
+def _routing_state(manager):
+    """The NVLink routing hook's state of ``manager`` (that module imports this one: looked up late, once)."""
+    global _nvlink
+    if _nvlink is None:
+        from sglang_dsv41.hooks import mooncake_nvlink
+
+        _nvlink = mooncake_nvlink
+    return _nvlink.routing_state(manager)
+
+
+_nvlink = None
 
 
 def _layers_on_executor(manager) -> bool:
@@ -511,26 +528,28 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     send's pages are checked when the held writes are made: one outside its
     buffers fails the request there (its block path is gone by then).
     """
-    call = dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
-                dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
-                dst_data_indices=dst_data_indices, executor=executor, state_type=state_type,
-                force_flat=force_flat, src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids,
-                dst_device_data_indices=dst_device_data_indices, dst_device_data_ptrs=dst_device_data_ptrs,
-                dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
+    def call_as_given() -> dict:  # built only where upstream's own code runs: a send path hot per request
+        return dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
+                    dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
+                    dst_data_indices=dst_data_indices, executor=executor, state_type=state_type,
+                    force_flat=force_flat, src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids,
+                    dst_device_data_indices=dst_device_data_indices, dst_device_data_ptrs=dst_device_data_ptrs,
+                    dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
+
     state = state_of(self)
     if state is None or state.transport is None or dst_device_data_indices is not None or _layers_on_executor(self):
-        return original(self, **call)
-    from sglang_dsv41.hooks import mooncake_nvlink
-
-    routing = mooncake_nvlink.routing_state(self)
+        return original(self, **call_as_given())
+    routing = _routing_state(self)
     target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
     if target is None:
-        return original(self, **call)  # the block path counts why
-    rc, learnt = _paged_layout(original, self, state, call)
+        return original(self, **call_as_given())  # the block path counts why
+    key = _layout_key(mooncake_session_id, state_type, force_flat, src_data_ptrs, dst_data_ptrs, item_lens,
+                      src_layer_ids, dst_layer_ids, dst_item_lens)
+    rc, learnt = _paged_layout(original, self, state, key, call_as_given)
     if rc != 0:  # upstream refused this call (its layout checks) and has concluded it
         return rc
     if learnt is None:  # every entry elided, or not upstream's one-batch path: as it was
-        return original(self, **call)
+        return original(self, **call_as_given())
     checked = learnt.checked
     if checked is None or checked[0] is not target:  # first use, or the decode registered again
         bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
@@ -540,15 +559,15 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
                         "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
     bound = checked[1]
     if bound is None:
-        return original(self, **call)
+        return original(self, **call_as_given())
     held = _holding()
     if held is not None:
         if held.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
-            return original(self, **call)  # pages this layout cannot take: the block path, at once
+            return original(self, **call_as_given())  # pages this layout cannot take: the block path, at once
         plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
         return 0
     if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
-        return original(self, **call)  # too few blocks however the pages run
+        return original(self, **call_as_given())  # too few blocks however the pages run
     try:
         outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
@@ -557,7 +576,7 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
                      mooncake_session_id, type(exc).__name__, exc)
         return -1
     if outcome.fallback is not None:
-        return original(self, **call)
+        return original(self, **call_as_given())
     plugin_metrics.count_kv_staging("kv_staging_batches", "peer_pages")
     return 0
 
