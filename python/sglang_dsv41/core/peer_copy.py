@@ -691,8 +691,12 @@ def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[Paged
     p, d = _page_lists(src_pages, dst_pages)
     if p is None:
         return None, PAGED_NOT_PAGES
+    return _copy_of(bound, p, d), None
+
+
+def _copy_of(bound: BoundLayout, p: np.ndarray, d: np.ndarray) -> PagedCopy:
     return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes,
-                     bound.src_pages, bound.dst_pages), None
+                     bound.src_pages, bound.dst_pages)
 
 
 def outside_reason(exc: PagesOutsideBuffers) -> str:
@@ -783,8 +787,7 @@ class PeerWrites:
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies, as int64 (the launch
         # table's type: the flush then writes them without converting).
-        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64), bound.word,
-                                               bound.max_item, bound.page_bytes, bound.src_pages, bound.dst_pages)))
+        self._copies.append((target, _copy_of(bound, p.astype(np.int64), d.astype(np.int64))))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None

@@ -215,8 +215,7 @@ def count_side_channel_drop(direction: str) -> None:
     _add("side_channel_drops", direction)
 
 
-_KV_STAGING_SERIES = frozenset(("kv_staging_batches", "kv_staging_held_writes", "kv_staging_scatters",
-                                "kv_staging_grants"))
+_KV_STAGING_SERIES = frozenset(s.name for s in SERIES if s.name.startswith("kv_staging_"))
 
 
 def count_kv_staging(series: str, label: str) -> None:

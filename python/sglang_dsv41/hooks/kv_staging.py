@@ -492,6 +492,9 @@ def _paged_layout(original, manager, state: StagingState, key: tuple, call_as_gi
     return 0, learnt
 
 
+_nvlink = None  # hooks.mooncake_nvlink, once looked up
+
+
 def _routing_state(manager):
     """The NVLink routing hook's state of ``manager`` (that module imports this one: looked up late, once)."""
     global _nvlink
@@ -500,9 +503,6 @@ def _routing_state(manager):
 
         _nvlink = mooncake_nvlink
     return _nvlink.routing_state(manager)
-
-
-_nvlink = None
 
 
 def _layers_on_executor(manager) -> bool:
