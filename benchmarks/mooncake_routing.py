@@ -1126,6 +1126,17 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _missing_gpus(*wanted: int) -> str:
+    """Why the GPUs asked for cannot be used here, or "" when they can."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"needs torch with CUDA ({exc})"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    absent = sorted({g for g in wanted if not 0 <= g < count})
+    return f"needs GPU {', '.join(map(str, absent))}; this machine has {count}" if absent else ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
@@ -1171,6 +1182,11 @@ def main() -> None:
         return run_dsv41_receiver(args) if args.pattern == "dsv41" else run_receiver(args)
     if args.role == "sender":
         return run_dsv41_sender(args) if args.pattern == "dsv41" else run_sender(args)
+    if args.mode == "gpu":
+        missing = _missing_gpus(args.gpu, args.gpu if args.peer_gpu is None else args.peer_gpu)
+        if missing:
+            print(f"mooncake_routing.py: --mode gpu {missing}", file=sys.stderr)
+            sys.exit(2)
     if args.pattern == "dsv41":
         return main_dsv41(args)
     if args.cases or args.repeat != 1:

@@ -235,3 +235,10 @@ def test_peer_goals_are_judged_only_on_the_gpu(capsys):
     bench.print_peer_goals({"8k contiguous": 0.3}, path="held", gpu=False)
     cpu = capsys.readouterr().out
     assert cpu.endswith("0.30x, not judged in CPU mode\n") and "met" not in cpu
+
+
+def test_gpu_mode_without_the_gpus_asked_for_is_one_line_and_exit_2():
+    proc = _run_bench("--pattern", "dsv41", "--mode", "gpu", "--gpu", "99", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line, no traceback
+    assert "needs GPU 99" in proc.stderr and "Traceback" not in proc.stderr
