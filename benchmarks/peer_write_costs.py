@@ -9,7 +9,7 @@ arrays, translating the destinations into the mapping, the batched copy
 (launch-table upload, kernel, synchronize), and the whole call. Then the page
 path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: taking the
 call (its page lists as a ``PagedCopy``), the paged copy (launch table with
-its page check, upload, kernel, synchronize), the whole call, holding it
+its page check, the launch that carries it, kernel, synchronize), the whole call, holding it
 (``PeerWrites``); and a request's last sends held and written as one. Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 

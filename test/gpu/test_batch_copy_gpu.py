@@ -305,16 +305,22 @@ def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
     assert torch.equal(got[torch.from_numpy(dp).cuda()], want)
 
 
-@pytest.mark.parametrize("launcher", ["direct", "triton"])
-def test_paged_copies_are_exact_through_either_launcher(pools, launcher):
+@pytest.mark.parametrize("launcher", ["parameter", "direct", "triton"])
+def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
     from sglang_dsv41.core.batch_copy import paged_copy
 
     copier = CudaBatchCopy(0, prefer="triton")
-    print(f"paged kernel launcher here: {copier.launcher} ({copier.launcher_reason or 'no fallback'})")
+    print(f"paged kernel launcher here: {copier.launcher} (parameter table: {copier.param_reason or 'loaded'}; "
+          f"Triton kernel: {copier.launcher_reason or 'direct launch'})")
+    if launcher == "parameter" and copier.launcher != "parameter":
+        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    if launcher != "parameter":
+        copier._param = None
     if launcher == "direct" and copier.launcher != "direct":
         pytest.skip(f"this Triton's kernel takes Triton's launcher: {copier.launcher_reason}")
     if launcher == "triton":
         copier._use_direct = False
+    assert copier.launcher == launcher
     src, dst = pools
     rng = np.random.default_rng(11)
     specs = _random_paged_offsets(rng, 16, calls=3, max_pages=40, pool=dst.numel())
@@ -322,3 +328,60 @@ def test_paged_copies_are_exact_through_either_launcher(pools, launcher):
               for rows, sp, dp in specs]
     for _ in range(3):  # lanes and their parameter storage reused
         check_paged(copier, src, dst, copies)
+
+
+def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools):
+    """Tables filling each compiled parameter size, and one just past the largest (the Triton kernel's)."""
+    from sglang_dsv41.core.batch_copy import PAGED_CHUNK_BYTES, fill_paged_table, paged_copy
+    from sglang_dsv41.core.batch_copy_ptx import PARAM_SIZES
+
+    copier = CudaBatchCopy(0, prefer="triton")
+    if copier.launcher != "parameter":
+        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    src, dst = pools
+    rng = np.random.default_rng(5)
+    sizes = []
+    for limit in (*PARAM_SIZES, PARAM_SIZES[-1] + 16):
+        # one buffer of 4 KiB pages (segment 6 words) plus page pairs (16 bytes each) to fill the table
+        pages = (limit - 8 * (2 + 6)) // 16
+        span = 2 * pages
+        copy = paged_copy([(src.data_ptr(), dst.data_ptr(), 4096)], rng.permutation(span)[:pages],
+                          rng.permutation(span)[:pages])
+        table = np.zeros(limit, np.uint64)
+        used = fill_paged_table(lambda n: table, [copy], PAGED_CHUNK_BYTES)[2]
+        sizes.append(used)
+        check_paged(copier, src, dst, [copy])
+    assert sizes[:-1] == [s - s % 16 for s in PARAM_SIZES] and sizes[-1] > PARAM_SIZES[-1]
+
+
+def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pools):
+    from sglang_dsv41.core.batch_copy import paged_copy
+
+    copier = CudaBatchCopy(0, prefer="triton")
+    if copier.launcher != "parameter":
+        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    src, dst = pools
+    rng = np.random.default_rng(12)
+    specs = _random_paged_offsets(rng, 16, calls=2, max_pages=20, pool=dst.numel())
+    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
+              for rows, sp, dp in specs]
+    from sglang_dsv41.core.batch_copy import expand_paged
+
+    dst.random_(0, 256)
+    s, d, n = expand_paged(copies)
+    want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
+                     (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
+    torch.cuda.synchronize()
+    errors = []
+
+    def fresh_thread():  # its first CUDA call is the copy's launch
+        try:
+            copier.copy_pages(copies)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive() and not errors, errors
+    assert torch.equal(dst, want)

@@ -258,3 +258,41 @@ def test_held_sends_land_as_one_write_byte_exact(decode, transport):
         conn.send(("read", (b, BUFFER_BYTES // 2 + 7 * PAGE // 2, PAGE // 2)))
         assert conn.recv() == host[s_off:s_off + PAGE // 2].tobytes(), f"state buffer {b}"
     target.retire()
+
+
+@pytest.mark.parametrize("launcher", ["parameter", "uploaded"])
+def test_launched_chunks_then_held_sends_land_byte_exact(decode, launcher):
+    """Earlier chunks launched without waiting, then held sends queued behind them: one wait lands all."""
+    from sglang_dsv41.core.batch_copy import CudaBatchCopy
+    from sglang_dsv41.core.peer_copy import PeerWrites
+
+    copier = CudaBatchCopy(0, prefer="triton")
+    if launcher == "parameter" and copier.launcher != "parameter":
+        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    if launcher == "uploaded":
+        copier._param = None  # the table uploaded first: a launched copy keeps its lane's table busy
+    conn, frames, _ = decode
+    conn.send(("zero", None))
+    assert conn.recv() == "ok"
+    target = CudaIpcTransport(copier, 0).open(find_peer_map(frames))
+    src = torch.randint(0, 256, (BUFFERS * BUFFER_BYTES,), dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    src_end = src.data_ptr() + src.numel()
+    kv = [(src.data_ptr() + b * BUFFER_BYTES, target.peer.regions[b].ptr, PAGE) for b in range(BUFFERS)]
+    kv_bound, _ = bind_layout(PagedLayout.of(kv), target, lambda addr: src_end - addr)
+    writes = PeerWrites()
+    chunks = [(np.arange(c * 40, c * 40 + 40, 2, dtype=np.int32), np.arange(300 + c * 20, 320 + c * 20, dtype=np.int32))
+              for c in range(3)]
+    for sp, dp in chunks[:2]:
+        assert writes.start_pages(kv_bound, sp, dp, 1).rc == 0
+    assert writes.add_pages(kv_bound, *chunks[2]) is None
+    writes.flush()
+    assert not writes.busy and len(copier._lanes) >= 1
+    host = src.cpu().numpy()
+    for sp, dp in chunks:
+        for b in range(BUFFERS):
+            for k in (0, len(sp) - 1):
+                s_off = b * BUFFER_BYTES + int(sp[k]) * PAGE
+                conn.send(("read", (b, int(dp[k]) * PAGE, PAGE)))
+                assert conn.recv() == host[s_off:s_off + PAGE].tobytes(), f"buffer {b}, page {int(dp[k])}"
+    target.retire()

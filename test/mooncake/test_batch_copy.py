@@ -411,11 +411,18 @@ def test_bad_paged_copies_are_refused(needle, entries, sp, dp):
 
 
 def pieces_of_table(t: np.ndarray, programs: int, chunk: int) -> list[tuple[int, int, int]]:
-    """What each program of the paged kernel copies, read from its table as the kernel reads it."""
+    """What each program of the paged kernel copies, read from its table as the kernels read it."""
+    segments = int(t[0])
+    assert int(t[1]) == chunk
+    ends = [int(x) for x in t[2:2 + segments]]
     out = []
     for p in range(programs):
-        work = int(t[p])
-        row, unit = work >> 32, work & 0xFFFFFFFF
+        lo, hi = 0, segments - 1
+        while lo < hi:  # the first segment whose end is past p
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if p < ends[mid] else (mid + 1, hi)
+        unit = p - (ends[lo - 1] if lo else 0)
+        row = 2 + segments + 5 * lo
         src0, dst0, nbytes, at, n = (int(x) for x in t[row:row + 5])
         pieces = -(-nbytes // chunk)
         page, first = unit // pieces, unit % pieces * chunk
@@ -434,11 +441,11 @@ def test_paged_table_layout():
     table = np.zeros(64, np.uint64)
     word, programs, used = fill_paged_table(lambda nbytes: table, [c], CHUNK)
     t = table.view(np.int64)
-    # programs: 2 pages x 1 piece, then 2 pages x 2 pieces; rows at 6 and 11; pages at 16
-    assert (word, programs, used) == (16, 6, 8 * 20)
-    assert t[:6].tolist() == [(6 << 32) | 0, (6 << 32) | 1] + [(11 << 32) | u for u in range(4)]
-    assert t[6:16].tolist() == [4096, 65536, 1024, 16, 2, 8192, 131072, 40000, 16, 2]
-    assert t[16:20].tolist() == [5, 1, 0, 7]
+    # two segments; programs: 2 pages x 1 piece, then 2 pages x 2 pieces; rows at 4 and 9; pages at 14
+    assert (word, programs, used) == (16, 6, 8 * 18)
+    assert t[:4].tolist() == [2, CHUNK, 2, 6]
+    assert t[4:14].tolist() == [4096, 65536, 1024, 14, 2, 8192, 131072, 40000, 14, 2]
+    assert t[14:18].tolist() == [5, 1, 0, 7]
     assert pieces_of_table(t, programs, CHUNK) == pieces_of_blocks(*expand_paged([c]), CHUNK)
 
 
@@ -452,7 +459,7 @@ def test_paged_tables_name_exactly_the_pieces_of_their_block_list(align):
         assert word >= align
         want = pieces_of_blocks(*expand_paged(copies), chunk)
         assert pieces_of_table(table.view(np.int64), programs, chunk) == want
-        assert used == 8 * (programs + 5 * sum(len(c.segments) for c in copies)
+        assert used == 8 * (2 + 6 * sum(len(c.segments) for c in copies)
                             + 2 * sum(len(c.src_pages) for c in copies))
 
 
@@ -466,7 +473,7 @@ def test_paged_tables_reuse_their_plan_but_always_carry_this_calls_pages():
     _, programs, used = fill_paged_table(lambda n: table, [kv, state], CHUNK)
     first = table.copy()
     plans = len(batch_copy._PLANS)
-    head = programs + 15
+    head = 2 + 6 * 3  # three segments
     # same shape, other pages: the cached plan, this call's pages
     other = [kv._replace(src_pages=np.array([9, 8]), dst_pages=np.array([2, 3])),
              state._replace(dst_pages=np.array([6], np.uint64))]
@@ -527,7 +534,7 @@ INTERPRETED_PAGED_KERNEL = """
     sys.path.insert(0, {test_dir!r})
     from test_batch_copy import random_paged, expected_bytes
     from sglang_dsv41.core import batch_copy_kernel as k
-    from sglang_dsv41.core.batch_copy import expand_paged, fill_paged_table
+    from sglang_dsv41.core.batch_copy import PAGED_CHUNK_BYTES, expand_paged, fill_paged_table
 
     for seed, align in ((1, 16), (2, 8), (3, 1), (4, 16)):
         rng = np.random.default_rng(seed)
@@ -537,8 +544,8 @@ INTERPRETED_PAGED_KERNEL = """
         copies = random_paged(rng, sb, src.numel(), db, dst.numel(), align, calls=3)
         want = expected_bytes(src.numpy(), dst.numpy(), sb, db, *expand_paged(copies))
         table = np.zeros(1 << 14, np.uint64)
-        word, programs, used = fill_paged_table(lambda n: table, copies, k.PAGED_CHUNK_BYTES)
-        k.paged_copy_kernel[(programs,)](torch.from_numpy(table).view(torch.int64), k.PAGED_CHUNK_BYTES,
+        word, programs, used = fill_paged_table(lambda n: table, copies, PAGED_CHUNK_BYTES)
+        k.paged_copy_kernel[(programs,)](torch.from_numpy(table).view(torch.int64), PAGED_CHUNK_BYTES,
                                          WORD=word, BLOCK=k.BLOCK_ELEMENTS[word])
         ok = np.array_equal(dst.numpy(), want)
         print("CASE", seed, word, programs, "ok" if ok else "MISMATCH")

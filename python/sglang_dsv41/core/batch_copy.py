@@ -54,8 +54,12 @@ class BatchCopy(Protocol):
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
 
-    def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
-        """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
+    def copy_pages(self, copies: "Sequence[PagedCopy]", wait: bool = True, after=None):
+        """Copy every page pair of every ``PagedCopy`` as one batch.
+
+        Synchronous unless ``wait=False`` and the copier can launch without
+        waiting: then a ``PendingCopy``. ``after``: a pending copy to queue behind.
+        """
 
 
 def _as_uint64(values, name: str) -> np.ndarray:
@@ -113,7 +117,11 @@ def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # --- page-addressed batches -------------------------------------------------------
 
-PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table (batch_copy_kernel)
+PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernels' table (batch_copy_kernel, batch_copy_ptx)
+# The paged kernels' piece: they start no idle programs, so small pieces spread a
+# request's few pages over many SMs. Two steps of the parameter-table kernel's
+# threads: on an H200 a request's write took less GPU time than with one (16 KiB).
+PAGED_CHUNK_BYTES = 32768
 _MAX_PROGRAMS = (1 << 31) - 1  # a grid's x limit
 NO_PAGE_LIMIT = 1 << 63  # page ids are compared as unsigned: this limit refuses only negative ones
 
@@ -232,13 +240,15 @@ def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, n
 class _PagedPlan(NamedTuple):
     """What a launch table holds besides the page ids, for one shape of copies."""
 
-    head: np.ndarray  # flat int64: the work words, then every segment row (page places filled in)
+    head: np.ndarray  # flat int64: segment count, chunk, each segment's end, every segment row
     limits: np.ndarray  # uint64, one per page slot of the table: the first page its buffers lack
     words: int  # table length: the head, then each copy's source and destination pages
     word: int
     programs: int
     templates: tuple  # the copies' segment templates: kept alive, so their ids stay theirs
 
+
+PAGED_HEAD_WORDS = 2  # segment count, chunk; then one end per segment and the segment rows
 
 # Launch plans by (chunk, per copy: template id, pages, word, limits). A transfer worker
 # sends requests of few shapes (one KV layout, its state layouts, a page count per
@@ -257,17 +267,11 @@ def _paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
         np.concatenate([c.segments for c in copies], out=rows)
     pages = np.repeat(np.array([len(c.src_pages) for c in copies], dtype=np.int64), counts)
     units = pages * -(-rows[:, 2] // chunk)  # programs per segment
-    if segments and int(units.max()) >= 1 << 32:
-        raise BatchCopyError(f"a paged copy of {int(units.max())} pieces of {chunk} bytes in one buffer "
-                             "is beyond one launch")
     programs = int(units.sum())
     if programs > _MAX_PROGRAMS:
         raise BatchCopyError(f"a paged copy of {programs} pieces of {chunk} bytes is beyond one launch")
-    rows_at = programs
-    if rows_at + PAGED_SEGMENT_WORDS * segments > _MAX_PROGRAMS:  # row indices ride in a work word's high half
-        raise BatchCopyError(f"a paged copy of {programs} pieces and {segments} buffers is beyond one launch")
     places, limits, sizes = [], [], []
-    at = rows_at + PAGED_SEGMENT_WORDS * segments
+    at = PAGED_HEAD_WORDS + (1 + PAGED_SEGMENT_WORDS) * segments
     word = 16
     for c in copies:
         n = len(c.src_pages)
@@ -279,11 +283,7 @@ def _paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
     if segments:
         rows[:, 3] = np.repeat(np.array(places, dtype=np.int64), counts)
         rows[:, 4] = pages
-    # program p: its segment row's table index in the high word, its unit in the low one
-    row_index = rows_at + PAGED_SEGMENT_WORDS * np.arange(segments, dtype=np.int64)
-    first = np.cumsum(units) - units
-    work = np.repeat(row_index << 32, units) + (np.arange(programs, dtype=np.int64) - np.repeat(first, units))
-    head = np.concatenate([work, rows.ravel()])
+    head = np.concatenate([np.array([segments, chunk], dtype=np.int64), np.cumsum(units), rows.ravel()])
     return _PagedPlan(head, np.repeat(np.array(limits, dtype=np.uint64), sizes), at, word, programs,
                       tuple(c.segments for c in copies))
 
@@ -335,7 +335,10 @@ class HostBatchCopy:
             if length:
                 ctypes.memmove(dst, src, length)
 
-    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+    def copy_pages(self, copies: Sequence[PagedCopy], wait: bool = True, after=None) -> None:
+        """Synchronous whatever ``wait`` says: nothing is ever left pending."""
+        if after is not None:
+            after.wait()
         self.copy(*expand_paged(copies))
 
 
@@ -344,6 +347,7 @@ class HostBatchCopy:
 BACKENDS = ("triton", "memcpy-async")
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def _word_of(bits: int) -> int:
@@ -478,6 +482,7 @@ class _Lane:
         self.stream = torch.cuda.Stream(device=device)
         self.stream_handle = self.stream.cuda_stream
         self.direct_params: dict = {}  # _DirectLaunch parameter storage of this lane
+        self.table_in_use = False  # an upload of the pinned table may be queued, not yet done
         self.capacity = 0
         self.reserve(64 << 10)
 
@@ -587,6 +592,8 @@ class CudaBatchCopy:
         self._use_direct = True  # paged kernel through _DirectLaunch, once it proved itself
         self._direct: dict[int, Optional[_DirectLaunch]] = {}
         self.launcher_reason: Optional[str] = None  # why Triton's launcher is used for the paged kernel
+        self._param = None  # batch_copy_ptx.ParamTableKernel, once it proved itself
+        self.param_reason: Optional[str] = None  # why small paged copies do not take it
         self._kernels = None
         self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
         with torch.cuda.device(device):
@@ -613,9 +620,11 @@ class CudaBatchCopy:
         self.backend = "triton" if self._kernels is not None else "memcpy-async"
         if self._kernels is not None:
             self._check_direct_launch()
+        if prefer != "memcpy-async":
+            self._load_param_kernel()
 
-    def _check_direct_launch(self) -> None:
-        """One small paged copy through the direct launch, checked byte by byte; Triton's launcher if it fails."""
+    def _probe_paged(self) -> Optional[str]:
+        """One small paged copy, checked byte by byte: None, or what went wrong."""
         torch = self._torch
         device = f"cuda:{self.device}"
         try:
@@ -625,19 +634,47 @@ class CudaBatchCopy:
             self.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 64)], np.array([0, 3]), np.array([5, 1]))])
             want = torch.zeros(512, dtype=torch.uint8, device=device)
             want[320:384], want[64:128] = src[0:64], src[192:256]
-            if not torch.equal(dst, want):
-                self._use_direct, self.launcher_reason = False, "the direct launch's probe copy differed"
+            return None if torch.equal(dst, want) else "copy differed"
         except Exception as exc:
-            if self._use_direct:
-                self._use_direct, self.launcher_reason = False, f"the direct launch's probe failed: {exc}"
-            else:
-                raise BatchCopyError(f"the paged copy kernel does not run: {exc}") from exc
+            return f"failed: {exc}"
+
+    def _check_direct_launch(self) -> None:
+        """The Triton paged kernel through the direct launch, probed; Triton's launcher if that fails."""
+        why = self._probe_paged()
+        if why is not None and self._use_direct:
+            self._use_direct, self.launcher_reason = False, f"the direct launch's probe {why}"
+            why = self._probe_paged()
+        if why is not None:
+            raise BatchCopyError(f"the paged copy kernel does not run: its probe {why}")
         if not self._use_direct:
             self._direct.clear()
 
+    def _load_param_kernel(self) -> None:
+        """The parameter-table kernel for small paged copies, probed; without it they take the Triton kernel."""
+        from sglang_dsv41.core.batch_copy_ptx import ParamKernelError, ParamTableKernel
+
+        if self._runtime is None:
+            self.param_reason = "torch's CUDA runtime library is not reachable (needed to wait for the copy)"
+            return
+        try:
+            with self._torch.cuda.device(self.device):
+                self._param = ParamTableKernel()
+        except ParamKernelError as exc:
+            self.param_reason = str(exc)
+            return
+        why = self._probe_paged()
+        if why is not None:
+            self._param, self.param_reason = None, f"the parameter-table kernel's probe {why}"
+
     @property
     def launcher(self) -> str:
-        """How the paged kernel is launched: "direct" (one cuLaunchKernel) or "triton"."""
+        """How a small paged copy is launched: "parameter" (table as the kernel's parameter),
+        "direct" (table uploaded, one cuLaunchKernel), "triton" (Triton's launcher) or
+        "per-entry" (no kernel: one cudaMemcpyAsync per block)."""
+        if self._param is not None:
+            return "parameter"
+        if self._kernels is None:
+            return "per-entry"
         return "direct" if self._use_direct and self._direct else "triton"
 
     # -- memory
@@ -677,19 +714,37 @@ class CudaBatchCopy:
             as_batch(s, d, n)
             self._on_lane(lambda lane: self._copy_memcpy(lane, s, d, n, started), f"{len(n)} entries")
 
-    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
-        """Every page pair of ``copies`` in one launch of the paged kernel (no block list)."""
-        started = time.perf_counter()
-        if self._kernels is None:
-            self.copy(*expand_paged(copies))
-            return
-        if not copies:
-            return
-        self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
+    def copy_pages(self, copies: Sequence[PagedCopy], wait: bool = True,
+                   after: Optional["PendingCopy"] = None) -> Optional["PendingCopy"]:
+        """Every page pair of ``copies`` in one launch of a paged kernel (no block list).
 
-    def _on_lane(self, work, what: str) -> None:
-        with self._lock:
-            lane = self._lanes.pop() if self._lanes else None
+        ``wait=False`` returns once the copy is launched: a ``PendingCopy``
+        whose ``wait`` says it landed (or raises). ``after``: a pending copy
+        of this copier; this one is queued behind it on its stream, and
+        waiting for this one (or its failure) settles both.
+        """
+        started = time.perf_counter()
+        if after is not None and after._copier is not self:  # another GPU's stream: no queueing behind it
+            after.wait()
+            after = None
+        if self._kernels is None and self._param is None:
+            if after is not None:
+                after.wait()
+            self.copy(*expand_paged(copies))
+            return None
+        if not copies:
+            if after is not None and wait:
+                after.wait()
+                return None
+            return after
+        return self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies", wait, after)
+
+    def _on_lane(self, work, what: str, wait: bool = True, after: Optional["PendingCopy"] = None):
+        if after is not None:
+            lane = after._take(self)
+        else:
+            with self._lock:
+                lane = self._lanes.pop() if self._lanes else None
         torch = self._torch
         previous = torch.cuda.current_device()
         if previous != self.device:
@@ -698,16 +753,44 @@ class CudaBatchCopy:
             if lane is None:
                 lane = _Lane(torch, self.device)
             work(lane)
-        except BatchCopyError:
-            raise
-        except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
+            if wait:
+                self._sync(lane)
+        except Exception as exc:
+            if lane is not None:
+                self._settle(lane)  # what was queued on it lands before the lane is used again
+                self._release(lane)
+            if isinstance(exc, BatchCopyError):
+                raise
+            # CUDA errors surface from torch or triton as RuntimeError
             raise BatchCopyError(f"batch copy of {what} on cuda:{self.device} failed: {exc}") from exc
         finally:
             if previous != self.device:
                 torch.cuda.set_device(previous)
-            if lane is not None:
-                with self._lock:
-                    self._lanes.append(lane)
+        if not wait:
+            return PendingCopy(self, lane)
+        self._release(lane)
+        return None
+
+    def _release(self, lane: _Lane) -> None:
+        with self._lock:
+            self._lanes.append(lane)
+
+    def _sync(self, lane: _Lane) -> None:
+        """Wait for everything queued on the lane; raises if any of it failed."""
+        lane.table_in_use = False
+        rt = self._runtime
+        if rt is None:
+            lane.stream.synchronize()
+            return
+        err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
+        if err:
+            raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
+
+    def _settle(self, lane: _Lane) -> None:
+        try:
+            self._sync(lane)
+        except Exception:  # the failure being raised already says what went wrong
+            pass
 
     def _compile(self, kernels, word: int, paged: bool = False):
         compiled = self._compiled.get((paged, word))
@@ -719,7 +802,7 @@ class CudaBatchCopy:
                     block = kernels.BLOCK_ELEMENTS[word]
                     if paged:
                         compiled = kernels.paged_copy_kernel.warmup(
-                            dummy, kernels.PAGED_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
+                            dummy, PAGED_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
                     else:
                         compiled = kernels.batch_copy_kernel.warmup(
                             dummy, 3, kernels.MIN_CHUNK_BYTES, WORD=word, BLOCK=block, grid=(1,))
@@ -745,12 +828,19 @@ class CudaBatchCopy:
                      started)
 
     def _copy_paged(self, lane: _Lane, copies, started: float) -> None:
-        kernels = self._kernels
-        chunk = kernels.PAGED_CHUNK_BYTES
-        word, programs, used = fill_paged_table(lane.reserve, copies, chunk)
+        if lane.table_in_use:  # a pending upload behind which this copy queues may still read it
+            self._sync(lane)
+        word, programs, used = fill_paged_table(lane.reserve, copies, PAGED_CHUNK_BYTES)
         if not programs:
             return
-        block = kernels.BLOCK_ELEMENTS[word]
+        if self._param is not None and word == 16 and used <= self._param.max_bytes:
+            self._launch_param(lane, used, programs, started)
+            return
+        kernels = self._kernels
+        if kernels is None:  # a table too large for a parameter, and no Triton
+            self._copy_memcpy(lane, *expand_paged(copies), started)
+            return
+        chunk, block = PAGED_CHUNK_BYTES, kernels.BLOCK_ELEMENTS[word]
         compiled = self._compiled.get((True, word)) or self._compile(kernels, word, paged=True)
         direct = self._direct.get(word) if self._use_direct else None
         self._launch(lane, used, compiled, (programs, 1, 1),
@@ -761,7 +851,7 @@ class CudaBatchCopy:
 
     def _launch(self, lane: _Lane, used: int, compiled, grid, args, jit_launch, started: float,
                 direct: Optional[_DirectLaunch] = None, direct_args: tuple = ()) -> None:
-        """Upload the lane's table, launch, wait: the copy has landed when this returns.
+        """Upload the lane's table and launch (the caller waits).
 
         The table goes by the copy engine. (A one-program kernel reading it from
         pinned memory was tried instead: shorter on the GPU, slower end to end,
@@ -790,13 +880,19 @@ class CudaBatchCopy:
         if direct is None and not self._fast_launch:
             with self._torch.cuda.stream(lane.stream):
                 jit_launch()
+        lane.table_in_use = True
         self.last_submit_s = time.perf_counter() - started
-        if rt is not None:
-            err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
-            if err:
-                raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
-        else:
-            lane.stream.synchronize()
+
+    def _launch_param(self, lane: _Lane, used: int, programs: int, started: float) -> None:
+        """The table as the kernel's parameter: one launch, which copies the table (the caller waits)."""
+        rt = self._runtime
+        err = self._param.launch(lane.host_ptr, used, programs, lane.stream_handle)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that made no runtime call yet has no context
+            err = rt.lib.cudaSetDevice(self.device) or self._param.launch(
+                lane.host_ptr, used, programs, lane.stream_handle)
+        if err:
+            raise BatchCopyError(f"launching the paged copy (table as parameter) failed: CUDA error {err}")
+        self.last_submit_s = time.perf_counter() - started
 
     def _copy_memcpy(self, lane: _Lane, s, d, n, started: float) -> None:
         rt = self._runtime
@@ -828,6 +924,40 @@ class CudaBatchCopy:
         finally:
             if current.value >= 0 and current.value != self.device:
                 lib.cudaSetDevice(current.value)
+
+
+class PendingCopy:
+    """A paged copy launched and not yet waited for (``CudaBatchCopy.copy_pages(wait=False)``).
+
+    Its lane (stream, table buffers) stays out of the copier's pool until
+    ``wait``, or until a later copy queued ``after`` it takes the lane over.
+    """
+
+    def __init__(self, copier: "CudaBatchCopy", lane: _Lane):
+        self._copier, self._lane = copier, lane
+
+    @property
+    def settled(self) -> bool:
+        """Waited for, or handed to a copy queued after it."""
+        return self._lane is None
+
+    def wait(self) -> None:
+        """Return once the copy landed; raises BatchCopyError if it failed. Idempotent."""
+        lane, self._lane = self._lane, None
+        if lane is None:
+            return
+        try:
+            self._copier._sync(lane)
+        finally:
+            self._copier._release(lane)
+
+    def _take(self, copier: "CudaBatchCopy") -> _Lane:
+        if copier is not self._copier:
+            raise BatchCopyError("a copy can only queue behind a pending copy of the same copier")
+        lane, self._lane = self._lane, None
+        if lane is None:
+            raise BatchCopyError("the pending copy was already waited for")
+        return lane
 
 
 def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> BatchCopy:

@@ -14,17 +14,19 @@ the host so that the grid stays a small multiple of the useful programs.
 ``paged_copy_kernel`` takes pages instead of blocks (``batch_copy.PagedCopy``).
 Its table, written by ``batch_copy.fill_paged_table``, is
 
-    [work x P | segment rows | each call's source pages, then destination pages]
+    [S | chunk | end x S | segment rows (5 x S) | page ids]
 
 with one segment row of five int64 per buffer of a call: page-0 source, page-0
 destination, bytes per page, where the call's page pairs start in the table,
-number of pairs. The grid is 1-D, one program per useful piece (P of them):
-work word p is (table index of the program's segment row << 32) | unit, and
-unit u copies piece u % pieces of page pair u // pieces, where pieces =
+number of pairs; ``end[s]`` is one past the last program of segment s. The
+grid is 1-D, one program per useful piece: program p finds its segment by
+binary search over ``end``, its unit u = p - (the segment's first program),
+and copies piece u % pieces of page pair u // pieces, where pieces =
 ceil(bytes per page / chunk). So no program starts just to find it has
 nothing to copy, and the host never builds a per-block list: addresses come
-from the page ids on the device. The work words depend only on the shape of
-the copies (page counts, not page ids), so the host reuses them.
+from the page ids on the device. The same table is what
+``batch_copy_ptx`` takes as a kernel parameter; this kernel serves the tables
+too large for that, and GPUs or drivers where it does not load.
 
 ``WORD`` is what the batch's alignment allows: 16 (every pointer and length a
 multiple of 16: 128-bit loads and stores), 8 (64-bit), 1 (bytes).
@@ -36,9 +38,6 @@ import triton
 import triton.language as tl
 
 MIN_CHUNK_BYTES = 32768  # small enough to spread one entry over many SMs
-# The paged kernel's piece: it starts no idle programs, so smaller pieces than the
-# block kernel's spread a request's few pages over more SMs.
-PAGED_CHUNK_BYTES = 16384
 BLOCK_ELEMENTS = {16: 1024, 8: 1024, 1: 4096}  # elements per step (8 KiB or 4 KiB)
 
 
@@ -82,10 +81,19 @@ def batch_copy_kernel(table, n_entries, chunk, WORD: tl.constexpr, BLOCK: tl.con
 
 @triton.jit(do_not_specialize=["chunk"])
 def paged_copy_kernel(table, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: the piece its work word names (see the module notes)."""
-    work = tl.load(table + tl.program_id(0))
-    segment = table + (work >> 32)
-    unit = work & 0xFFFFFFFF
+    """Program p: its piece of the table (see the module notes)."""
+    program = tl.program_id(0).to(tl.int64)
+    segments = tl.load(table)
+    lo = program * 0
+    hi = segments - 1
+    while lo < hi:  # the first segment whose end is past this program
+        mid = (lo + hi) // 2
+        below = program < tl.load(table + 2 + mid)
+        hi = tl.where(below, mid, hi)
+        lo = tl.where(below, lo, mid + 1)
+    first = tl.where(lo > 0, tl.load(table + 1 + lo), 0)  # word 1 (the chunk) is read but unused for lo = 0
+    unit = program - first
+    segment = table + 2 + segments + 5 * lo
     nbytes = tl.load(segment + 2)  # bytes per page, never 0
     pieces = (nbytes + chunk - 1) // chunk
     page = unit // pieces
