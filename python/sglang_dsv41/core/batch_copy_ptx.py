@@ -31,7 +31,6 @@ torch.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 THREADS = 256
 VECTORS_PER_STEP = 4
@@ -182,9 +181,9 @@ class ParamTableKernel:
     that holds them; the host memory may be reused as soon as it returns.
     """
 
-    def __init__(self, driver: Optional[ctypes.CDLL] = None):
+    def __init__(self):
         try:
-            lib = driver or ctypes.CDLL("libcuda.so.1")
+            lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
             raise ParamKernelError(f"no CUDA driver library: {exc}") from exc
         vp, ui, ci = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
@@ -218,9 +217,9 @@ class ParamTableKernel:
             self._functions.append((size, fn))
         self._module = module
         self._launch = lib.cuLaunchKernel
+        self._threads = THREADS  # what the module was built for
         self.max_bytes = PARAM_SIZES[-1]
-        # kernelParams: one pointer, to the table; rewritten per launch (callers hold a lane each)
-        self._params = {}
+        self._params: dict[int, ctypes.Array] = {}  # kernelParams per table buffer: one pointer, to it
 
     def params_for(self, table_ptr: int) -> ctypes.Array:
         """The kernelParams array pointing at ``table_ptr`` (one per table buffer, kept)."""
@@ -233,6 +232,7 @@ class ParamTableKernel:
         """The CUDA driver's error code of the launch (0: launched)."""
         for size, fn in self._functions:
             if nbytes <= size:
-                return self._launch(fn, programs, 1, 1, THREADS, 1, 1, 0, stream, self.params_for(table_ptr), None)
+                return self._launch(fn, programs, 1, 1, self._threads, 1, 1, 0, stream, self.params_for(table_ptr),
+                                    None)
         raise ParamKernelError(f"a launch table of {nbytes} bytes exceeds the kernel parameter "
                                f"({self.max_bytes} bytes)")
