@@ -10,7 +10,8 @@ arrays, translating the destinations into the mapping, the batched copy
 path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: taking the
 call (its page lists as a ``PagedCopy``), the paged copy (launch table with
 its page check, the launch that carries it, kernel, synchronize), the whole call, holding it
-(``PeerWrites``); and a request's last sends held and written as one. Medians of
+(``PeerWrites``); and a request's last sends held and written as one, with the
+launch table as the kernel's parameter and uploaded first (both in each run). Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 
     PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
@@ -187,6 +188,7 @@ def paged_costs(args, peer, target, copier, src) -> None:
             t = _median_us(request(names), args.iters)
             results.setdefault(name, []).append([t])
             print(f"  held and written as one: {name}: {t:.1f}")
+    launchers = launcher_costs(args, copier, request, requests)
     print(f"\npage path over {args.runs} runs: min - max (us)")
     print(f"  {'send call':>26} " + " ".join(f"{s:>13}" for s in steps))
     for name, rows in results.items():
@@ -194,6 +196,30 @@ def paged_costs(args, peer, target, copier, src) -> None:
             print(f"  held and written as one: {name}: {min(r[0] for r in rows):.0f}-{max(r[0] for r in rows):.0f}")
             continue
         print(f"  {name:>26} " + " ".join(f"{min(c):.0f}-{max(c):.0f}".rjust(13) for c in zip(*rows)))
+    for name, pairs in launchers.items():
+        param, uploaded = zip(*pairs)
+        print(f"  held and written as one, {name}: table as the kernel's parameter {min(param):.0f}-{max(param):.0f}, "
+              f"table uploaded first {min(uploaded):.0f}-{max(uploaded):.0f}")
+
+
+def launcher_costs(args, copier, request, requests) -> dict[str, list[tuple[float, float]]]:
+    """The held requests again, the table as the kernel's parameter against the table uploaded
+    first (the Triton kernel), in turns within each run; empty where the first is not loaded."""
+    if not copier.use_table_as_parameter(True):
+        print(f"\n(no launcher comparison: {copier.param_reason})")
+        return {}
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for run in range(args.runs):
+        print(f"\nlaunchers, run {run + 1} of {args.runs} (us, median of {args.iters} calls)")
+        for name, names in requests.items():
+            times = []
+            for on in (True, False):
+                copier.use_table_as_parameter(on)
+                times.append(_median_us(request(names), args.iters))
+            copier.use_table_as_parameter(True)
+            pairs.setdefault(name, []).append(tuple(times))
+            print(f"  held and written as one, {name}: table as parameter {times[0]:.1f}, uploaded {times[1]:.1f}")
+    return pairs
 
 
 if __name__ == "__main__":

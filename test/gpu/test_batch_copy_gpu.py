@@ -315,7 +315,7 @@ def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
     if launcher == "parameter" and copier.launcher != "parameter":
         pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
     if launcher != "parameter":
-        copier._param = None
+        copier.use_table_as_parameter(False)
     if launcher == "direct" and copier.launcher != "direct":
         pytest.skip(f"this Triton's kernel takes Triton's launcher: {copier.launcher_reason}")
     if launcher == "triton":

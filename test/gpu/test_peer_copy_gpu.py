@@ -270,7 +270,7 @@ def test_launched_chunks_then_held_sends_land_byte_exact(decode, launcher):
     if launcher == "parameter" and copier.launcher != "parameter":
         pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
     if launcher == "uploaded":
-        copier._param = None  # the table uploaded first: a launched copy keeps its lane's table busy
+        copier.use_table_as_parameter(False)  # the table uploaded first: a launched copy keeps its lane's table busy
     conn, frames, _ = decode
     conn.send(("zero", None))
     assert conn.recv() == "ok"

@@ -592,7 +592,8 @@ class CudaBatchCopy:
         self._use_direct = True  # paged kernel through _DirectLaunch, once it proved itself
         self._direct: dict[int, Optional[_DirectLaunch]] = {}
         self.launcher_reason: Optional[str] = None  # why Triton's launcher is used for the paged kernel
-        self._param = None  # batch_copy_ptx.ParamTableKernel, once it proved itself
+        self._param = None  # batch_copy_ptx.ParamTableKernel, once it proved itself (None: not used)
+        self._param_loaded = None
         self.param_reason: Optional[str] = None  # why small paged copies do not take it
         self._kernels = None
         self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
@@ -665,6 +666,14 @@ class CudaBatchCopy:
         why = self._probe_paged()
         if why is not None:
             self._param, self.param_reason = None, f"the parameter-table kernel's probe {why}"
+        self._param_loaded = self._param
+
+    def use_table_as_parameter(self, on: bool) -> bool:
+        """Whether small paged copies pass their table as the kernel's parameter (else they upload
+        it, as large ones do); for comparing the two. Returns what is in effect: False when the
+        kernel is not loaded here."""
+        self._param = self._param_loaded if on else None
+        return self._param is not None
 
     @property
     def launcher(self) -> str:
