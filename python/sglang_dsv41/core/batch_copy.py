@@ -12,6 +12,13 @@ one Triton kernel launch for the whole batch ("triton"), or, where Triton is
 missing, one cudaMemcpyAsync per entry ("memcpy-async"). Entries must not
 overlap. A CUDA copy is ordered after nothing the caller queued on other
 streams: the sources must be complete when ``copy`` is called.
+
+Page-addressed batches (``PagedCopy``: buffers, and page ids shared by
+them) go by ``copy_pages`` as one launch whose table names pages, not
+blocks: as the kernel's parameter where it fits (``batch_copy_ptx``), else
+uploaded for the Triton paged kernel. ``copy_pages(wait=False)`` returns once
+launched (a ``PendingCopy``), and a later copy may queue ``after`` it on the
+same stream, so one wait lands both.
 Nothing here imports sglang; torch and triton are imported on first use.
 """
 

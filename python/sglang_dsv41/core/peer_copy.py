@@ -30,7 +30,9 @@ batch with one batched copy straight into the decode's pages. Opt-in
    writes (one comparison of the whole launch table), and the paged kernel
    finds every page's address on the device. ``PeerWrites`` holds several
    such calls for one write; a held page outside its buffers fails that
-   write (the request), nothing of it written.
+   write (the request), nothing of it written. It also launches a call
+   without waiting (``start_pages``: a prefill chunk before the last); the
+   held write queues behind it and its wait lands both, before any status.
 4. Lifetime. A decode restart registers again with new handles; the old
    mappings are closed once no batch is using them, so a restarted decode's
    old KV pool is not held alive by the prefill.
