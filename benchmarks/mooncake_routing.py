@@ -762,22 +762,16 @@ def run_dsv41_sender(args) -> None:
         copier = getattr(transport, "copier", None)
 
         def held_request(paged):
-            """As the plugin sends a request in peer mode on a transfer worker: the KV of earlier
-            chunks launched at once (not waited for), then the last chunk's KV and the state calls
-            held and written as one batch behind them; the flush returns when all of it landed."""
+            """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
+            last chunk's KV and the state calls held and written as one batch (before the status)."""
             earlier, last = paged[:-3], paged[-3:]  # a request ends with its last KV call and two state calls
+            run_earlier = pages_request(earlier)
 
             def run():
                 t0 = time.perf_counter()
-                for bound, src_pages, dst_pages, blocks in earlier:
-                    out = held.start_pages(bound, src_pages, dst_pages, args.peer_min_blocks)
-                    if out.fallback is None:
-                        peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
-                        continue
-                    rc = peer_path(blocks)
-                    if rc != 0:
-                        held.wait()
-                        return rc
+                rc = run_earlier()
+                if rc != 0:
+                    return rc
                 t1 = time.perf_counter()
                 for bound, src_pages, dst_pages, _ in last:
                     why_not = held.add_pages(bound, src_pages, dst_pages)
@@ -1043,9 +1037,9 @@ def print_held_phases(rows) -> None:
         ph = r["held_phases_us"]
         print(f"{r['case']:>16} {ph['earlier']:11.1f} {ph['hold']:8.1f} {ph['write']:9.1f}"
               + (f" {ph['write_submit']:10.1f} {ph['write'] - ph['write_submit']:7.1f}" if gpu else ""))
-    print("earlier: the KV of earlier chunks, each launched at once (not waited for); hold: the last "
-          "chunk's calls held; write: the held calls written as one behind them, until all landed"
-          + ("; submitted: of the write, the launch table and the launch (host time before "
+    print("earlier: the KV of earlier chunks, each written at once; hold: the last chunk's calls held; "
+          "write: the held calls written as one"
+          + ("; submitted: of the write, the launch table and its launch (host time before "
              "the synchronize); waited: the rest, mostly the synchronize" if gpu else ""))
 
 

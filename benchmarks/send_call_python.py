@@ -59,8 +59,8 @@ def _build(page_path: bool):
         def write(self, target, srcs, dsts, lengths):
             pass
 
-        def write_pages(self, target, copies, wait=True, after=None):
-            return None
+        def write_pages(self, target, copies):
+            pass
 
         def close(self, opened):
             pass
@@ -119,17 +119,15 @@ def _request(send, tokens, layout, held: bool = False):
     writes = PeerWrites()
 
     def run():
-        if held:  # what the worker's queue sets up: earlier chunks launched, the last one held
-            kv_staging._held.writes_of_thread = writes
         for i, call in enumerate(calls):
             if i == last:
-                kv_staging._held.writes = writes
+                kv_staging._held.writes = writes  # what the worker's queue does for a last chunk
             if call() != 0:
                 raise RuntimeError("a send call failed")
         if held:  # the barrier: when the state sends return
             failed = kv_staging._flush_held("benchmark")
-            kv_staging._held.writes = kv_staging._held.writes_of_thread = None
-            if failed is not None or writes.busy:
+            kv_staging._held.writes = None
+            if failed is not None or len(writes):
                 raise RuntimeError("the held writes were not flushed")
     return run
 

@@ -29,33 +29,3 @@ def runs_of_paged(copies) -> list[tuple[int, int, int]]:
         raise outside
     return [b for c in copies
             for b in runs_of(c.entries.tolist(), c.src_pages.tolist(), c.dst_pages.tolist())]
-
-
-class StandInStream:
-    """Copies launched on a stand-in for a GPU stream: queued in order, landing (into
-    ``landed``) when any of them is waited for; ``fail`` set: they fail instead, unwritten."""
-
-    def __init__(self, landed: list):
-        self.landed, self.queued, self.fail = landed, [], None
-
-    def launch(self, record, wait: bool, after=None):
-        """As a transport's ``write_pages``: None once landed, else a pending copy."""
-        if after is not None and after.stream is not self:
-            after.wait()
-        self.queued.append(record)
-        pending = _StandInPending(self)
-        if wait:
-            pending.wait()
-            return None
-        return pending
-
-
-class _StandInPending:
-    def __init__(self, stream: StandInStream):
-        self.stream = stream
-
-    def wait(self) -> None:
-        queued, self.stream.queued = self.stream.queued, []
-        if self.stream.fail:
-            raise RuntimeError(self.stream.fail)
-        self.stream.landed.extend(queued)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from _paged import StandInStream, runs_of_paged
+from _paged import runs_of_paged
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, StateType
 
 from sglang_dsv41.core.kv_staging import StagingConfig, MODE_PEER
@@ -41,7 +41,6 @@ class _IdentityTransport:
 
     def __init__(self):
         self.writes = []
-        self.stream = StandInStream(self.writes)  # launched copies land when waited for
 
     def open(self, peer):
         return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])
@@ -49,10 +48,10 @@ class _IdentityTransport:
     def write(self, target, srcs, dsts, lengths):
         self.writes.append(list(zip(srcs.tolist(), dsts.tolist(), lengths.tolist())))
 
-    def write_pages(self, target, copies, wait=True, after=None):  # recorded as upstream's block runs
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
         if getattr(self, "fail", False):
             raise RuntimeError("injected peer write failure")
-        return self.stream.launch(runs_of_paged(copies), wait, after)
+        self.writes.append(runs_of_paged(copies))
 
     def close(self, opened):
         pass
@@ -254,10 +253,9 @@ def _delta(before: dict) -> dict:
 
 @pytest.fixture()
 def worker_thread():
-    """This test's thread plays a transfer worker; nothing held or launched leaks into other tests."""
+    """This test's thread plays a transfer worker; nothing held leaks into other tests."""
     yield
     kv_staging._held.writes = None
-    kv_staging._held.writes_of_thread = None
 
 
 def test_a_last_chunks_kv_and_state_sends_land_as_one_write_when_the_state_sends_return(worker_thread):
@@ -283,56 +281,10 @@ def test_a_last_chunks_kv_and_state_sends_land_as_one_write_when_the_state_sends
     assert kv_staging.around_maybe_send_extra(state_sends, mgr) == 0
     assert transport.writes == [stock_engine[0] + stock_engine[1]] and engine == []
     assert _delta(before) == {"written": 1}
-    # the next chunk is not a last one: its send is launched at once, not waited for
+    # the next chunk is not a last one: its send is written at once
     _take(queue, last=False)
     assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
-    assert len(transport.writes) == 1 and len(transport.stream.queued) == 1 and _delta(before) == {"written": 1}
-
-
-def test_an_earlier_chunks_kv_is_launched_at_once_and_lands_before_the_requests_status(worker_thread):
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    mgr, src, dst, engine, transport = _manager(4, 4)
-    queue, before = _worker_queue(), _held_writes()
-    concluded = []
-
-    def conclude(self, **kw):  # what has landed, and what is still in flight, when the status goes out
-        concluded.append((kw["status"], len(transport.writes), len(transport.stream.queued)))
-
-    early, late = PAGES, ([50, 51], [60, 61])
-    _take(queue, last=False)
-    assert _send(mgr, src, dst, [256] * 4, early) == 0
-    assert transport.writes == [] and len(transport.stream.queued) == 1  # launched, not waited for
-    _take(queue, last=True)  # the request's last chunk: held behind the launched one
-    assert _send(mgr, src, dst, [256] * 4, late) == 0
-    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Success)
-    assert concluded[-1] == (KVPoll.Success, 2, 0)  # both landed before the status, in order
-    stock, _, _, stock_engine, _ = _manager(4, 4, page_path=False)
-    for pages in (early, late):
-        assert _send(stock, src, dst, [256] * 4, pages) == 0
-    assert transport.writes == stock_engine and engine == []
-    # the state sends' barrier lands launched chunks too, with nothing held
-    _take(queue, last=False)
-    assert _send(mgr, src, dst, [256] * 4, early) == 0
-    _take(queue, last=True)
-    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == 0
-    assert len(transport.writes) == 3 and transport.stream.queued == []
-    # a request that fails after an earlier chunk: what was launched lands before the failure
-    # status, nothing held is written
-    _take(queue, last=False)
-    assert _send(mgr, src, dst, [256] * 4, early) == 0
-    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Failed,
-                                        failure_reason="decode gone")
-    assert concluded[-1] == (KVPoll.Failed, 4, 0)
-    # a launched copy that fails turns the request's success into its failure
-    _take(queue, last=False)
-    assert _send(mgr, src, dst, [256] * 4, early) == 0
-    transport.stream.fail = "injected failure of a launched copy"
-    _take(queue, last=True)
-    kv_staging.around_conclude_transfer(conclude, mgr, bootstrap_room=1, status=KVPoll.Success)
-    status = concluded[-1][0]
-    assert status == KVPoll.Failed and len(transport.writes) == 4 and transport.stream.queued == []
-    assert _delta(before) == {"written": 1, "failed": 1}
+    assert len(transport.writes) == 2 and _delta(before) == {"written": 1}
 
 
 def test_held_writes_land_before_a_success_status_and_fail_it_when_they_fail(worker_thread):

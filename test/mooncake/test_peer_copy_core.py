@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from _paged import StandInStream, runs_of, runs_of_paged
+from _paged import runs_of, runs_of_paged
 from sglang_dsv41.core.batch_copy import PagesOutsideBuffers
 from sglang_dsv41.core.peer_copy import (
     FALLBACK_NO_PEER_MAP,
@@ -53,13 +53,12 @@ class _Recorder:
 
     def __init__(self):
         self.writes, self.closed = [], []
-        self.stream = StandInStream(self.writes)
 
     def write(self, target, srcs, dsts, lengths):
         self.writes.append((srcs.tolist(), dsts.tolist(), lengths.tolist()))
 
-    def write_pages(self, target, copies, wait=True, after=None):  # recorded as upstream's block runs
-        return self.stream.launch(tuple(map(list, zip(*runs_of_paged(copies)))), wait, after)
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
+        self.writes.append(tuple(map(list, zip(*runs_of_paged(copies)))))
 
     def close(self, opened):
         self.closed.append(list(opened))
@@ -295,41 +294,6 @@ def test_held_writes_go_as_one_batch_and_keep_their_map_open_until_then():
     assert len(rec.writes) == 1 and rec.closed[-1] == [b"second"]
 
 
-def test_launched_writes_land_at_the_next_flush_or_wait_and_keep_their_map_open_until_then():
-    rec, target, device, kv, state = _kv_and_state()
-    writes = PeerWrites()
-    early = np.array([1, 2, 3], np.int32)
-    out = writes.start_pages(kv, early, np.array([7, 8, 20], np.int32), 1)
-    assert (out.rc, out.fallback, out.nbytes) == (0, None, 3 * 0x200)
-    early[:] = 0  # the caller's array may change once launched: the copy was built from it already
-    assert rec.writes == [] and len(rec.stream.queued) == 1 and writes.busy and len(writes) == 0
-    target.retire()  # a newer map arrived: the mapping stays open for the launched copy
-    assert rec.closed == []
-    # refused without launching: too few blocks, pages that are not two lists of one length
-    assert writes.start_pages(kv, np.array([4]), np.array([9]), 8).fallback == "few_blocks"
-    assert writes.start_pages(kv, np.array([4, 5]), np.array([9]), 1).fallback == "not_pages"
-    assert len(rec.stream.queued) == 1
-    writes.wait()
-    assert len(rec.writes) == 1 and rec.closed == [[b"handle"]] and not writes.busy
-    # launched, then held: the flush writes the held batch behind the launched copy, one wait for both
-    rec, target, device, kv, state = _kv_and_state()
-    assert writes.start_pages(kv, np.array([1]), np.array([2]), 1).rc == 0
-    assert writes.add_pages(state, np.array([5]), np.array([9])) is None
-    assert writes.flush() == 0x40
-    assert [w[2] for w in rec.writes] == [[0x100, 0x100], [0x40]] and not writes.busy
-    # pages outside the buffers: the block path's reason, what was launched before still lands
-    assert writes.start_pages(kv, np.array([1]), np.array([2]), 1).rc == 0
-    assert writes.start_pages(kv, np.array([1]), np.array([0xC0]), 1).fallback == "outside_peer_map"
-    assert len(rec.writes) == 3 and rec.stream.queued == [] and not writes.busy
-    # a launched copy that fails raises where it is waited for, and releases its map
-    assert writes.start_pages(kv, np.array([1]), np.array([2]), 1).rc == 0
-    rec.stream.fail = "injected failure of a launched copy"
-    target.retire()
-    with pytest.raises(RuntimeError, match="injected"):
-        writes.flush()
-    assert len(rec.writes) == 3 and rec.closed == [[b"handle"]] and not writes.busy
-
-
 @pytest.mark.parametrize("src_pages, dst_pages, side, page", [
     ([1, 2, 3], [1, 2, 0xC0], "destination", 0xC0),  # past the second buffer's exported pages
     ([1, 0x100, 3], [1, 2, 3], "source", 0x100),  # past the source buffers
@@ -350,7 +314,7 @@ def test_a_held_page_outside_its_buffers_fails_the_whole_flush_unwritten(src_pag
 
 def test_a_failed_held_write_raises_and_releases_its_map():
     class Failing(_Recorder):
-        def write_pages(self, target, copies, wait=True, after=None):
+        def write_pages(self, target, copies):
             raise OSError("device lost")
 
     rec = Failing()

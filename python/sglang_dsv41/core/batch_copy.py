@@ -16,9 +16,7 @@ streams: the sources must be complete when ``copy`` is called.
 Page-addressed batches (``PagedCopy``: buffers, and page ids shared by
 them) go by ``copy_pages`` as one launch whose table names pages, not
 blocks: as the kernel's parameter where it fits (``batch_copy_ptx``), else
-uploaded for the Triton paged kernel. ``copy_pages(wait=False)`` returns once
-launched (a ``PendingCopy``), and a later copy may queue ``after`` it on the
-same stream, so one wait lands both.
+uploaded for the Triton paged kernel.
 Nothing here imports sglang; torch and triton are imported on first use.
 """
 
@@ -61,12 +59,8 @@ class BatchCopy(Protocol):
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
 
-    def copy_pages(self, copies: "Sequence[PagedCopy]", wait: bool = True, after=None):
-        """Copy every page pair of every ``PagedCopy`` as one batch.
-
-        Synchronous unless ``wait=False`` and the copier can launch without
-        waiting: then a ``PendingCopy``. ``after``: a pending copy to queue behind.
-        """
+    def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
+        """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
 
 
 def _as_uint64(values, name: str) -> np.ndarray:
@@ -342,10 +336,7 @@ class HostBatchCopy:
             if length:
                 ctypes.memmove(dst, src, length)
 
-    def copy_pages(self, copies: Sequence[PagedCopy], wait: bool = True, after=None) -> None:
-        """Synchronous whatever ``wait`` says: nothing is ever left pending."""
-        if after is not None:
-            after.wait()
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
         self.copy(*expand_paged(copies))
 
 
@@ -489,7 +480,6 @@ class _Lane:
         self.stream = torch.cuda.Stream(device=device)
         self.stream_handle = self.stream.cuda_stream
         self.direct_params: dict = {}  # _DirectLaunch parameter storage of this lane
-        self.table_in_use = False  # an upload of the pinned table may be queued, not yet done
         self.capacity = 0
         self.reserve(64 << 10)
 
@@ -730,37 +720,20 @@ class CudaBatchCopy:
             as_batch(s, d, n)
             self._on_lane(lambda lane: self._copy_memcpy(lane, s, d, n, started), f"{len(n)} entries")
 
-    def copy_pages(self, copies: Sequence[PagedCopy], wait: bool = True,
-                   after: Optional["PendingCopy"] = None) -> Optional["PendingCopy"]:
-        """Every page pair of ``copies`` in one launch of a paged kernel (no block list).
-
-        ``wait=False`` returns once the copy is launched: a ``PendingCopy``
-        whose ``wait`` says it landed (or raises). ``after``: a pending copy
-        of this copier; this one is queued behind it on its stream, and
-        waiting for this one (or its failure) settles both.
-        """
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+        """Every page pair of ``copies`` in one launch of a paged kernel (no block list)."""
         started = time.perf_counter()
-        if after is not None and after._copier is not self:  # another GPU's stream: no queueing behind it
-            after.wait()
-            after = None
         if self._kernels is None and self._param is None:
-            if after is not None:
-                after.wait()
             self.copy(*expand_paged(copies))
-            return None
+            return
         if not copies:
-            if after is not None and wait:
-                after.wait()
-                return None
-            return after
-        return self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies", wait, after)
+            return
+        self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
 
-    def _on_lane(self, work, what: str, wait: bool = True, after: Optional["PendingCopy"] = None):
-        if after is not None:
-            lane = after._take(self)
-        else:
-            with self._lock:
-                lane = self._lanes.pop() if self._lanes else None
+    def _on_lane(self, work, what: str) -> None:
+        """Run ``work`` (which launches) on a lane of its own, then wait for the lane's stream."""
+        with self._lock:
+            lane = self._lanes.pop() if self._lanes else None
         torch = self._torch
         previous = torch.cuda.current_device()
         if previous != self.device:
@@ -768,32 +741,23 @@ class CudaBatchCopy:
         try:
             if lane is None:
                 lane = _Lane(torch, self.device)
-            work(lane)
-            if wait:
+            try:
+                work(lane)
+            finally:  # even after a failure: nothing queued may land after we return
                 self._sync(lane)
-        except Exception as exc:
-            if lane is not None:
-                self._settle(lane)  # what was queued on it lands before the lane is used again
-                self._release(lane)
-            if isinstance(exc, BatchCopyError):
-                raise
-            # CUDA errors surface from torch or triton as RuntimeError
+        except BatchCopyError:
+            raise
+        except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
             raise BatchCopyError(f"batch copy of {what} on cuda:{self.device} failed: {exc}") from exc
         finally:
             if previous != self.device:
                 torch.cuda.set_device(previous)
-        if not wait:
-            return PendingCopy(self, lane)
-        self._release(lane)
-        return None
-
-    def _release(self, lane: _Lane) -> None:
-        with self._lock:
-            self._lanes.append(lane)
+            if lane is not None:
+                with self._lock:
+                    self._lanes.append(lane)
 
     def _sync(self, lane: _Lane) -> None:
         """Wait for everything queued on the lane; raises if any of it failed."""
-        lane.table_in_use = False
         rt = self._runtime
         if rt is None:
             lane.stream.synchronize()
@@ -801,12 +765,6 @@ class CudaBatchCopy:
         err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
         if err:
             raise BatchCopyError(f"batch copy kernel on cuda:{self.device} failed: {rt.error(err)}")
-
-    def _settle(self, lane: _Lane) -> None:
-        try:
-            self._sync(lane)
-        except Exception:  # the failure being raised already says what went wrong
-            pass
 
     def _compile(self, kernels, word: int, paged: bool = False):
         compiled = self._compiled.get((paged, word))
@@ -844,8 +802,6 @@ class CudaBatchCopy:
                      started)
 
     def _copy_paged(self, lane: _Lane, copies, started: float) -> None:
-        if lane.table_in_use:  # a pending upload behind which this copy queues may still read it
-            self._sync(lane)
         word, programs, used = fill_paged_table(lane.reserve, copies, PAGED_CHUNK_BYTES)
         if not programs:
             return
@@ -896,7 +852,6 @@ class CudaBatchCopy:
         if direct is None and not self._fast_launch:
             with self._torch.cuda.stream(lane.stream):
                 jit_launch()
-        lane.table_in_use = True
         self.last_submit_s = time.perf_counter() - started
 
     def _launch_param(self, lane: _Lane, used: int, programs: int, started: float) -> None:
@@ -940,40 +895,6 @@ class CudaBatchCopy:
         finally:
             if current.value >= 0 and current.value != self.device:
                 lib.cudaSetDevice(current.value)
-
-
-class PendingCopy:
-    """A paged copy launched and not yet waited for (``CudaBatchCopy.copy_pages(wait=False)``).
-
-    Its lane (stream, table buffers) stays out of the copier's pool until
-    ``wait``, or until a later copy queued ``after`` it takes the lane over.
-    """
-
-    def __init__(self, copier: "CudaBatchCopy", lane: _Lane):
-        self._copier, self._lane = copier, lane
-
-    @property
-    def settled(self) -> bool:
-        """Waited for, or handed to a copy queued after it."""
-        return self._lane is None
-
-    def wait(self) -> None:
-        """Return once the copy landed; raises BatchCopyError if it failed. Idempotent."""
-        lane, self._lane = self._lane, None
-        if lane is None:
-            return
-        try:
-            self._copier._sync(lane)
-        finally:
-            self._copier._release(lane)
-
-    def _take(self, copier: "CudaBatchCopy") -> _Lane:
-        if copier is not self._copier:
-            raise BatchCopyError("a copy can only queue behind a pending copy of the same copier")
-        lane, self._lane = self._lane, None
-        if lane is None:
-            raise BatchCopyError("the pending copy was already waited for")
-        return lane
 
 
 def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> BatchCopy:

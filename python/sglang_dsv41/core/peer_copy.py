@@ -30,9 +30,7 @@ batch with one batched copy straight into the decode's pages. Opt-in
    writes (one comparison of the whole launch table), and the paged kernel
    finds every page's address on the device. ``PeerWrites`` holds several
    such calls for one write; a held page outside its buffers fails that
-   write (the request), nothing of it written. It also launches a call
-   without waiting (``start_pages``: a prefill chunk before the last); the
-   held write queues behind it and its wait lands both, before any status.
+   write (the request), nothing of it written.
 4. Lifetime. A decode restart registers again with new handles; the old
    mappings are closed once no batch is using them, so a restarted decode's
    old KV pool is not held alive by the prefill.
@@ -241,14 +239,8 @@ class PeerTransport(Protocol):
     def write(self, target: PeerTarget, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """One batch from local sources to translated destinations; returns when it landed."""
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], wait: bool = True,
-                    after=None):
-        """Paged copies (destinations translated) as one batch; returns when it landed.
-
-        ``wait=False``: may return once launched, with a pending copy (``wait()``
-        says it landed), or None when it was written already. ``after``: such
-        a pending copy; this batch is made after it, and landing settles both.
-        """
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        """Paged copies (destinations translated) as one batch; returns when it landed."""
 
     def close(self, opened: Sequence[bytes]) -> None:
         """Give back mappings ``open`` made (reference counted per handle)."""
@@ -365,9 +357,8 @@ class CudaIpcTransport:
     def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
         self.copier.copy(srcs, dsts, lengths)
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], wait: bool = True, after=None):
-        # every mapping is local memory: one launch for all targets
-        return self.copier.copy_pages(copies, wait=wait, after=after)
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -486,11 +477,8 @@ class HostCmaTransport:
                     done_in_entry += wrote
                     wrote = 0
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], wait: bool = True, after=None):
-        if after is not None:
-            after.wait()
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         self.write(target, *expand_paged(copies))
-        return None
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -756,37 +744,26 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
 
 
 class PeerWrites:
-    """A sending thread's peer writes: some launched and not yet waited for, some held.
+    """Writes held back until a barrier, then made as one batched copy.
 
-    ``start_pages`` writes one send from its page lists and returns once the
-    copy is launched (a prefill chunk before the last: nothing of the request
-    is told to anyone until its last chunk). ``add_pages`` holds a send (the
-    last chunk's KV and state sends) and ``flush`` writes everything held as
-    one batch, queued behind what was launched, and returns when all of it
-    landed. ``wait`` lands what was launched without writing anything held;
-    ``discard`` drops what is held unwritten (a launched copy cannot be
-    recalled: ``wait`` for it). Targets stay acquired (a newer map cannot close
-    them) until their writes landed. Not thread-safe: one per sending thread.
-    (Starting the last chunk's KV at once, to overlap its copy with the
-    state sends, was measured slower: a second launch costs more than the
-    overlap saves.)
+    A request's last sends (its final KV chunk, its state) each cost a launch
+    and a synchronize when written one by one; held here they go as one.
+    ``add_pages`` keeps a copy of the page lists and holds the target open (a
+    newer map cannot close it meanwhile); ``flush`` writes everything and
+    returns when it landed, ``discard`` drops it unwritten. Not thread-safe:
+    one per sending thread. (Starting the largest call at once, to overlap
+    its copy with the rest, was measured slower: a second launch and
+    synchronize cost more than the overlap saves.)
     """
 
     def __init__(self):
         self._copies: list[tuple[PeerTarget, PagedCopy]] = []
         self._held_open: dict[int, PeerTarget] = {}  # targets acquired for what is held
-        self._pending = None  # the last launched copy not waited for (batch_copy.PendingCopy)
-        self._launched: list[PeerTarget] = []  # targets acquired for launched copies
         self.calls = 0
         self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._copies)
-
-    @property
-    def busy(self) -> bool:
-        """Something is held or launched and not yet waited for."""
-        return bool(self._copies or self._launched)
 
     def _hold_open(self, target: PeerTarget) -> bool:
         """Acquire ``target`` for what is held (the caller checked it is not held open yet)."""
@@ -795,52 +772,12 @@ class PeerWrites:
         self._held_open[id(target)] = target
         return True
 
-    def start_pages(self, bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
-        """As ``send_paged_batch``, but returns once the copy is launched.
-
-        It lands before the next ``flush`` or ``wait`` returns; raises when the
-        launch failed (and waits for what was launched before).
-        """
-        copy, why_not = paged_call(bound, src_pages, dst_pages)
-        if copy is None:
-            return PeerOutcome(-1, why_not)
-        if _few_blocks(bound, copy, min_blocks):
-            return PeerOutcome(-1, PAGED_FEW_BLOCKS)
-        target = bound.target
-        if not target.acquire():  # retired meanwhile: a newer map replaced it
-            return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
-        after, self._pending = self._pending, None
-        try:
-            pending = target.transport.write_pages(target, [copy], wait=False, after=after)
-        except BaseException as exc:
-            target.release()
-            self._land(after)  # settled by the copier unless the failure came before it
-            if isinstance(exc, PagesOutsideBuffers):
-                return PeerOutcome(-1, outside_reason(exc))
-            raise
-        self._launched.append(target)
-        if pending is None:  # written already
-            self._land(None)
-        else:
-            self._pending = pending
-        return PeerOutcome(0, None, len(copy.src_pages) * bound.page_bytes)
-
-    def _land(self, pending) -> None:
-        """Wait for ``pending`` (None: nothing), then release every launched copy's target."""
-        launched, self._launched = self._launched, []
-        try:
-            if pending is not None:
-                pending.wait()
-        finally:
-            for target in launched:
-                target.release()
-
     def add_pages(self, bound: BoundLayout, src_pages, dst_pages) -> Optional[str]:
         """Hold one call's pages; None, or why the page path cannot take it (nothing held).
 
         Page ids are checked when written, for every held call at once: one
         outside its buffers fails the flush (``PagesOutsideBuffers``, nothing
-        held written), which is the request's failure.
+        written), which is the request's failure.
         """
         p, d = _page_lists(src_pages, dst_pages)
         if p is None:
@@ -856,29 +793,19 @@ class PeerWrites:
         return None
 
     def flush(self) -> int:
-        """Write what is held behind what was launched; the bytes held. Returns when all of it
-        landed; raises when a copy failed (nothing is held or launched after)."""
+        """Write what is held; the bytes written. Raises when a copy failed (nothing is held after)."""
         held, opened = self._copies, self._held_open
         self._copies, self._held_open = [], {}
         nbytes, self.calls, self.nbytes = self.nbytes, 0, 0
-        pending, self._pending = self._pending, None
         try:
             for target in opened.values():  # one batch per decode map (a request has one)
-                pending = target.transport.write_pages(target, [c for t, c in held if t is target],
-                                                       after=pending)
+                target.transport.write_pages(target, [c for t, c in held if t is target])
         finally:
             for target in opened.values():
                 target.release()
-            self._land(pending)  # a no-op when a write above took it over
         return nbytes
 
-    def wait(self) -> None:
-        """Return once every launched copy landed; raises if one failed."""
-        pending, self._pending = self._pending, None
-        self._land(pending)
-
     def discard(self) -> None:
-        """Drop what is held, unwritten (launched copies are not recalled: see ``wait``)."""
         opened = self._held_open
         self._copies, self._held_open = [], {}
         self.calls, self.nbytes = 0, 0

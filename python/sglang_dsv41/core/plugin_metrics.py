@@ -101,10 +101,9 @@ SERIES: Tuple[Series, ...] = (
            "slot_retired, no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
     Series("kv_staging_held_writes", "counter", "outcome",
            "Prefill, peer mode: a request's last sends (final KV chunk, state) held and written "
-           "as one peer write before its status: written, failed (that write, or a KV chunk "
-           "launched before it, failed: the request's transfer failed), or dropped (never "
-           "written: the request failed first, or the worker took its next chunk without "
-           "concluding it).", "written, failed, dropped"),
+           "as one peer write before its status: written, failed (the request's transfer "
+           "failed), or dropped (never written: the request failed first, or the worker took "
+           "its next chunk without concluding it).", "written, failed, dropped"),
     Series("kv_staging_scatters", "counter", "outcome",
            "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
            "(the prefill's transfer then fails).", "done, refused"),

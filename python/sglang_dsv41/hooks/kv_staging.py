@@ -571,13 +571,8 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         return 0
     if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
         return original(self, **call_as_given())  # too few blocks however the pages run
-    launching = getattr(_held, "writes_of_thread", None)
     try:
-        if launching is not None:  # an earlier chunk on a transfer worker: lands by the request's end
-            outcome = launching.start_pages(bound, prefill_data_indices, dst_data_indices,
-                                            state.config.min_blocks)
-        else:
-            outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
+        outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
         plugin_metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
@@ -589,33 +584,32 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     return 0
 
 
-# --- prefill: a request's sends launched early, its last sends held (peer mode) -----------
+# --- prefill: a request's last sends held for one write (peer mode) ------------------------
 #
 # Each send call written on its own costs a launch and a synchronize; a request's
 # last chunk makes three or four (its KV, then the state). On a transfer worker
 # thread, the page-path sends of a last chunk are held (``PeerWrites``) and
 # written as one batch before anything can tell the decode, or the prefill's
-# scheduler, that the request is done. The KV of an earlier chunk is launched
-# at once and not waited for: it lands by the same barriers (the held batch
-# queues behind it on its stream). Only page-path sends are held or left in
-# flight: their sources are KV and state pool pages, which stay put until the
-# request is concluded; a block batch may come from a scratch buffer sglang
-# reuses at once (a DCP pack buffer, a staging buffer), so the block path
-# writes and waits at once. The barriers, on the worker's thread:
+# scheduler, that the request is done. Only page-path sends are held: their
+# sources are KV and state pool pages, which stay put until the request is
+# concluded; a block batch may come from a scratch buffer sglang reuses at once
+# (a DCP pack buffer, a staging buffer), so the block path writes at once. The
+# barriers:
 # - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
 #   the room for an abort and before it counts the chunk as drained (the abort
 #   acknowledgement waits for that count);
-# - when a transfer is concluded (success or failure): the status goes out
-#   after the bytes. A failed write turns a success into the request's failure;
-#   a failure waits for what was launched, writing nothing held;
+# - when a transfer is concluded (success or failure), on this thread: the
+#   status goes out after the bytes. A failed write turns a success into the
+#   request's failure;
 # - when the worker takes its next chunk, anything still held is dropped, never
 #   written late (no path is known to leave writes there; counted if one does).
-#   What was launched stays in flight: the next chunk may be the same request's.
-# A worker serves one decode session's queue, so all of a request's chunks go
-# through one thread, and waiting at one request's barrier also lands what was
-# launched for others before it (harmless: a copy takes microseconds).
+# Non-last chunks are written and waited for at once: right after their send
+# returns upstream counts the chunk as drained, and with the decode's deferred KV
+# release an abort is acknowledged on that count, after which the decode reuses
+# the pages. A copy still in flight then (a launch queued behind a long forward
+# kernel) could land in another request's KV, so none is left in flight.
 
-_held = threading.local()  # writes_of_thread: the worker's PeerWrites; writes: the same, on a last chunk
+_held = threading.local()
 
 
 def _holding() -> Optional[PeerWrites]:
@@ -624,20 +618,19 @@ def _holding() -> Optional[PeerWrites]:
 
 
 def _flush_held(where: str) -> Optional[str]:
-    """Land this thread's launched and held writes; None, or why they failed (the request's failure)."""
-    writes = getattr(_held, "writes_of_thread", None)
-    if writes is None or not writes.busy:
+    """Write this thread's held writes; None, or why they failed (the request's failure)."""
+    held = _holding()
+    if held is None or not len(held):
         return None
-    calls = writes.calls
+    calls = held.calls
     try:
-        writes.flush()
+        held.flush()
     except Exception as exc:
         plugin_metrics.count_kv_staging("kv_staging_held_writes", "failed")
-        logger.error("[sglang-dsv41] KV peer write of %d held sends and earlier chunks (%s) failed: %s: %s",
+        logger.error("[sglang-dsv41] KV peer write of %d held sends (%s) failed: %s: %s",
                      calls, where, type(exc).__name__, exc)
-        return f"KV peer write of a request's sends failed: {type(exc).__name__}: {exc}"
-    if calls:
-        plugin_metrics.count_kv_staging("kv_staging_held_writes", "written")
+        return f"KV peer write of a request's last sends failed: {type(exc).__name__}: {exc}"
+    plugin_metrics.count_kv_staging("kv_staging_held_writes", "written")
     return None
 
 
@@ -647,18 +640,6 @@ def _drop_held(why: str) -> None:
         plugin_metrics.count_kv_staging("kv_staging_held_writes", "dropped")
         logger.warning("[sglang-dsv41] KV peer writes: %d held sends dropped unwritten (%s)", held.calls, why)
         held.discard()
-
-
-def _land_launched(why: str) -> None:
-    """After a failure: what this thread launched lands before the status goes out."""
-    writes = getattr(_held, "writes_of_thread", None)
-    if writes is None or not writes.busy:
-        return
-    try:
-        writes.wait()
-    except Exception as exc:  # the request fails anyway; the copy's failure is logged
-        logger.error("[sglang-dsv41] KV peer write launched before %s failed: %s: %s",
-                     why, type(exc).__name__, exc)
 
 
 class _ChunkAwareQueue:
@@ -671,11 +652,8 @@ class _ChunkAwareQueue:
         _drop_held("the worker took its next chunk")
         _held.writes = None
         chunk = self._queue.get(*args, **kwargs)
-        writes = getattr(_held, "writes_of_thread", None)
-        if writes is None:
-            writes = _held.writes_of_thread = PeerWrites()
         if getattr(chunk, "is_last_chunk", False):
-            _held.writes = writes
+            _held.writes = _held.pool = getattr(_held, "pool", None) or PeerWrites()
         return chunk
 
     def __getattr__(self, name):
@@ -707,8 +685,7 @@ def around_maybe_send_extra(original, self, *args, **kwargs):
 
 def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=None, failure_reason=None):
     """AROUND CommonKVManager.conclude_transfer: this thread's held writes land before the status."""
-    writes = getattr(_held, "writes_of_thread", None)
-    if writes is not None and writes.busy:
+    if _holding() is not None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         if status == KVPoll.Success:
@@ -717,7 +694,6 @@ def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=
                 status, failure_reason = KVPoll.Failed, failed
         else:  # the request failed: its pages are about to be released, write nothing more
             _drop_held("the transfer failed")
-            _land_launched("the transfer failed")
     return original(self, bootstrap_room=bootstrap_room, status=status, targets=targets,
                     failure_reason=failure_reason)
 
