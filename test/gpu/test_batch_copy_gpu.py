@@ -265,8 +265,16 @@ def _random_paged_offsets(rng, align: int, calls: int, max_pages: int, pool: int
     return out
 
 
-def check_paged(copier, src, dst, copies):
-    """The paged copy against the block list it stands for, copied one block at a time by torch."""
+def random_copies(src, dst, seed: int, calls: int, max_pages: int, align: int = 16):
+    from sglang_dsv41.core.batch_copy import paged_copy
+
+    specs = _random_paged_offsets(np.random.default_rng(seed), align, calls, max_pages, pool=dst.numel())
+    return [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
+            for rows, sp, dp in specs]
+
+
+def expected_after(src, dst, copies):
+    """``dst`` filled with noise, and what it must hold once ``copies`` landed (torch, block by block)."""
     from sglang_dsv41.core.batch_copy import expand_paged
 
     dst.random_(0, 256)
@@ -274,20 +282,27 @@ def check_paged(copier, src, dst, copies):
     want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
                      (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
     torch.cuda.synchronize()
+    return want
+
+
+def check_paged(copier, src, dst, copies):
+    """The paged copy against the block list it stands for, copied one block at a time by torch."""
+    want = expected_after(src, dst, copies)
     copier.copy_pages(copies)
     assert torch.equal(dst, want)
 
 
+def parameter_copier() -> CudaBatchCopy:
+    copier = CudaBatchCopy(0, prefer="triton")
+    if copier.launcher != "parameter":
+        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    return copier
+
+
 @pytest.mark.parametrize("align", [16, 8, 1])
 def test_random_paged_copies_are_byte_exact(copier, pools, align):
-    from sglang_dsv41.core.batch_copy import paged_copy
-
     src, dst = pools
-    rng = np.random.default_rng(align)
-    specs = _random_paged_offsets(rng, align, calls=4, max_pages=64, pool=dst.numel())
-    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
-              for rows, sp, dp in specs]
-    check_paged(copier, src, dst, copies)
+    check_paged(copier, src, dst, random_copies(src, dst, align, calls=4, max_pages=64, align=align))
 
 
 def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
@@ -307,8 +322,6 @@ def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
 
 @pytest.mark.parametrize("launcher", ["parameter", "direct", "triton"])
 def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
-    from sglang_dsv41.core.batch_copy import paged_copy
-
     copier = CudaBatchCopy(0, prefer="triton")
     print(f"paged kernel launcher here: {copier.launcher} (parameter table: {copier.param_reason or 'loaded'}; "
           f"Triton kernel: {copier.launcher_reason or 'direct launch'})")
@@ -322,10 +335,7 @@ def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
         copier._use_direct = False
     assert copier.launcher == launcher
     src, dst = pools
-    rng = np.random.default_rng(11)
-    specs = _random_paged_offsets(rng, 16, calls=3, max_pages=40, pool=dst.numel())
-    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
-              for rows, sp, dp in specs]
+    copies = random_copies(src, dst, 11, calls=3, max_pages=40)
     for _ in range(3):  # lanes and their parameter storage reused
         check_paged(copier, src, dst, copies)
 
@@ -335,9 +345,7 @@ def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools):
     from sglang_dsv41.core.batch_copy import PAGED_CHUNK_BYTES, fill_paged_table, paged_copy
     from sglang_dsv41.core.batch_copy_ptx import PARAM_SIZES
 
-    copier = CudaBatchCopy(0, prefer="triton")
-    if copier.launcher != "parameter":
-        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    copier = parameter_copier()
     src, dst = pools
     rng = np.random.default_rng(5)
     sizes = []
@@ -351,27 +359,14 @@ def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools):
         used = fill_paged_table(lambda n: table, [copy], PAGED_CHUNK_BYTES)[2]
         sizes.append(used)
         check_paged(copier, src, dst, [copy])
-    assert sizes[:-1] == [s - s % 16 for s in PARAM_SIZES] and sizes[-1] > PARAM_SIZES[-1]
+    assert sizes[:-1] == list(PARAM_SIZES) and sizes[-1] > PARAM_SIZES[-1]
 
 
 def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pools):
-    from sglang_dsv41.core.batch_copy import paged_copy
-
-    copier = CudaBatchCopy(0, prefer="triton")
-    if copier.launcher != "parameter":
-        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    copier = parameter_copier()
     src, dst = pools
-    rng = np.random.default_rng(12)
-    specs = _random_paged_offsets(rng, 16, calls=2, max_pages=20, pool=dst.numel())
-    copies = [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
-              for rows, sp, dp in specs]
-    from sglang_dsv41.core.batch_copy import expand_paged
-
-    dst.random_(0, 256)
-    s, d, n = expand_paged(copies)
-    want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
-                     (d - np.uint64(dst.data_ptr())).astype(np.int64), n.astype(np.int64))
-    torch.cuda.synchronize()
+    copies = random_copies(src, dst, 12, calls=2, max_pages=20)
+    want = expected_after(src, dst, copies)
     errors = []
 
     def fresh_thread():  # its first CUDA call is the copy's launch
