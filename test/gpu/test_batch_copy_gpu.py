@@ -10,6 +10,7 @@ gathered into one staging buffer and scattered back out.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from pathlib import Path
@@ -380,3 +381,50 @@ def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pool
     worker.join(120)
     assert not worker.is_alive() and not errors, errors
     assert torch.equal(dst, want)
+
+
+def _current_context(driver) -> int:
+    current = ctypes.c_void_p()
+    assert driver.cuCtxGetCurrent(ctypes.byref(current)) == 0
+    return current.value or 0
+
+
+@pytest.mark.parametrize("prefer", ["triton", "memcpy-async"])
+def test_a_thread_gets_its_own_context_back_and_a_fresh_thread_keeps_the_device_s(pools, prefer):
+    """The copy makes the device's primary context current; a thread that had another one gets it
+    back (never one it did not have: that would be a new context on some other GPU)."""
+    copier = CudaBatchCopy(0, prefer=prefer)
+    driver = ctypes.CDLL("libcuda.so.1")
+    create = getattr(driver, "cuCtxCreate_v2", None)
+    if create is None:
+        pytest.skip("this driver exports no cuCtxCreate_v2")
+    driver.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    driver.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    driver.cuCtxDestroy_v2.argtypes = [ctypes.c_void_p]
+    src, dst = pools
+    copies = random_copies(src, dst, 13, calls=2, max_pages=20)
+    seen, errors = {}, []
+
+    def thread(own_context: bool):
+        try:
+            mine = ctypes.c_void_p()
+            if own_context:  # a context of the thread's own, current (not the device's primary one)
+                assert create(ctypes.byref(mine), 0, 0) == 0 and _current_context(driver) == mine.value
+            copier.copy_pages(copies)
+            seen[own_context] = _current_context(driver), mine.value
+            if own_context:
+                driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+                driver.cuCtxDestroy_v2(mine)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    for own_context in (True, False):
+        want = expected_after(src, dst, copies)
+        worker = threading.Thread(target=thread, args=(own_context,))
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive() and not errors, errors
+        assert torch.equal(dst, want)
+    current, mine = seen[True]
+    assert mine and current == mine
+    assert seen[False][0] == copier._context.context

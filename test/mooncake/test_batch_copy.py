@@ -588,3 +588,57 @@ def test_paged_kernel_compiles_for_hopper_with_wide_accesses():
         pytest.skip(f"cannot compile for sm_90 here: {exc}")
     accesses = set(re.findall(r"(?:ld|st)\.global[.\w]*", compiled.asm["ptx"]))
     assert "ld.global.v2.b64" in accesses and "st.global.v2.b64" in accesses, accesses
+
+
+class _FakeDriver:
+    """The four context calls of libcuda on one thread: device 3's primary context is 0x3000."""
+
+    PRIMARY = 0x3000
+
+    def __init__(self, current=None, fail_get=0, fail_set=0):
+        self.current, self.fail_get, self.fail_set = current, fail_get, fail_set
+        self.sets: list = []
+
+    def cuDeviceGet(self, out, ordinal):
+        out._obj.value = ordinal
+        return 0 if ordinal == 3 else 101  # CUDA_ERROR_INVALID_DEVICE
+
+    def cuDevicePrimaryCtxRetain(self, out, device):
+        out._obj.value = self.PRIMARY
+        return 0
+
+    def cuCtxGetCurrent(self, out):
+        out._obj.value = self.current
+        return self.fail_get
+
+    def cuCtxSetCurrent(self, context):
+        self.sets.append(context)
+        if not self.fail_set:
+            self.current = context
+        return self.fail_set
+
+
+@pytest.mark.parametrize("before, switched, after", [
+    (_FakeDriver.PRIMARY, [], _FakeDriver.PRIMARY),  # already current: no call that changes anything
+    (None, [_FakeDriver.PRIMARY], _FakeDriver.PRIMARY),  # no context: ours stays, nothing is created
+    (0x7000, [_FakeDriver.PRIMARY, 0x7000], 0x7000),  # another context: given back
+])
+def test_a_copy_makes_its_context_current_and_gives_back_only_a_context_the_thread_had(before, switched, after):
+    from sglang_dsv41.core.batch_copy import _DeviceContext
+
+    driver = _FakeDriver(current=before)
+    scope = _DeviceContext(3, driver)
+    previous = scope.enter()
+    assert driver.current == _FakeDriver.PRIMARY
+    scope.leave(previous)
+    assert driver.sets == switched and driver.current == after
+
+
+def test_context_failures_are_batch_copy_errors():
+    from sglang_dsv41.core.batch_copy import _DeviceContext
+
+    with pytest.raises(BatchCopyError, match="no primary CUDA context for device 5"):
+        _DeviceContext(5, _FakeDriver())
+    for driver in (_FakeDriver(fail_get=4), _FakeDriver(current=0x7000, fail_set=201)):
+        with pytest.raises(BatchCopyError, match="cannot make the copy's CUDA context current"):
+            _DeviceContext(3, driver).enter()

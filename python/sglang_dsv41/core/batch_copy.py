@@ -314,7 +314,8 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[
     for c in copies:
         parts += (c.src_pages, c.dst_pages)
     np.concatenate(parts, out=words[:plan.words].view(np.int64))
-    if (words[len(plan.head):plan.words] >= plan.limits).any():  # negative pages read as huge
+    # Negative pages read as huge. (count_nonzero: NumPy's any() costs more than the comparison here.)
+    if np.count_nonzero(words[len(plan.head):plan.words] >= plan.limits):
         raise pages_outside(copies) or BatchCopyError("paged copy page check disagrees with itself")
     return plan.word, plan.programs, 8 * plan.words
 
@@ -345,7 +346,6 @@ class HostBatchCopy:
 BACKENDS = ("triton", "memcpy-async")
 _CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
-_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 def _word_of(bits: int) -> int:
@@ -440,8 +440,6 @@ class _CudaRuntime:
         vp, sz, ci = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
         for name, args in (("cudaMemcpyAsync", [vp, vp, sz, ci, vp]),
                            ("cudaStreamSynchronize", [vp]),
-                           ("cudaSetDevice", [ci]),
-                           ("cudaGetDevice", [ctypes.POINTER(ci)]),
                            ("cudaGetLastError", [])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ci
@@ -469,6 +467,56 @@ class _CudaRuntime:
     def error(self, code: int) -> str:
         text = self.lib.cudaGetErrorString(code)
         return f"{code} ({text.decode(errors='replace') if text else 'unknown'})"
+
+
+class _DeviceContext:
+    """Makes the copier's device current on the calling thread for one copy, through the CUDA driver.
+
+    Compares the thread's current context with the device's primary context
+    (one driver call when it is already current). A thread that had another
+    context gets it back afterwards; a thread that had none keeps the device's
+    (nothing to restore, and its next copy finds it current). Restoring by
+    device number instead (cudaSetDevice, torch.cuda.set_device) would create
+    that device's context whenever the thread had none: a transfer worker of a
+    GPU-3 server would leave a context, some hundred MiB, on GPU 0.
+    ``driver``: libcuda, or a stand-in with the same four calls (tests).
+    """
+
+    def __init__(self, device: int, driver=None):
+        vp, ci = ctypes.c_void_p, ctypes.c_int
+        if driver is None:
+            try:
+                driver = ctypes.CDLL("libcuda.so.1")
+                for name, args in (("cuDeviceGet", [ctypes.POINTER(ci), ci]),
+                                   ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ci]),
+                                   ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+                                   ("cuCtxSetCurrent", [vp])):
+                    fn = getattr(driver, name)
+                    fn.argtypes, fn.restype = args, ci
+            except (OSError, AttributeError) as exc:
+                raise BatchCopyError(f"the CUDA driver library does not serve context calls: {exc}") from exc
+        handle, context = ci(-1), vp()
+        err = driver.cuDeviceGet(ctypes.byref(handle), device)
+        err = err or driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle.value)
+        if err or not context.value:
+            raise BatchCopyError(f"no primary CUDA context for device {device} (driver error {err})")
+        self.context = context.value  # retained for the process's life, as torch keeps it
+        self._get, self._set = driver.cuCtxGetCurrent, driver.cuCtxSetCurrent
+
+    def enter(self) -> Optional[int]:
+        """Make the device's context current; returns the context to give back (None: keep ours)."""
+        current = ctypes.c_void_p()
+        err = self._get(ctypes.byref(current))
+        if not err and current.value == self.context:
+            return None
+        err = err or self._set(self.context)
+        if err:
+            raise BatchCopyError(f"cannot make the copy's CUDA context current (driver error {err})")
+        return current.value
+
+    def leave(self, previous: Optional[int]) -> None:
+        if previous:
+            self._set(previous)
 
 
 class _Lane:
@@ -596,6 +644,7 @@ class CudaBatchCopy:
         self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
         with torch.cuda.device(device):
             torch.cuda.init()
+        self._context = _DeviceContext(device)
         try:
             self._runtime: Optional[_CudaRuntime] = _CudaRuntime.find(loaded_only=True)
         except BatchCopyError:
@@ -734,13 +783,10 @@ class CudaBatchCopy:
         """Run ``work`` (which launches) on a lane of its own, then wait for the lane's stream."""
         with self._lock:
             lane = self._lanes.pop() if self._lanes else None
-        torch = self._torch
-        previous = torch.cuda.current_device()
-        if previous != self.device:
-            torch.cuda.set_device(self.device)
+        previous = self._context.enter()
         try:
             if lane is None:
-                lane = _Lane(torch, self.device)
+                lane = _Lane(self._torch, self.device)
             try:
                 work(lane)
             finally:  # even after a failure: nothing queued may land after we return
@@ -750,8 +796,7 @@ class CudaBatchCopy:
         except Exception as exc:  # CUDA errors surface from torch or triton as RuntimeError
             raise BatchCopyError(f"batch copy of {what} on cuda:{self.device} failed: {exc}") from exc
         finally:
-            if previous != self.device:
-                torch.cuda.set_device(previous)
+            self._context.leave(previous)
             if lane is not None:
                 with self._lock:
                     self._lanes.append(lane)
@@ -856,41 +901,28 @@ class CudaBatchCopy:
 
     def _launch_param(self, lane: _Lane, used: int, programs: int, started: float) -> None:
         """The table as the kernel's parameter: one launch, which copies the table (the caller waits)."""
-        rt = self._runtime
         err = self._param.launch(lane.host_ptr, used, programs, lane.stream_handle)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that made no runtime call yet has no context
-            err = rt.lib.cudaSetDevice(self.device) or self._param.launch(
-                lane.host_ptr, used, programs, lane.stream_handle)
         if err:
             raise BatchCopyError(f"launching the paged copy (table as parameter) failed: CUDA error {err}")
         self.last_submit_s = time.perf_counter() - started
 
     def _copy_memcpy(self, lane: _Lane, s, d, n, started: float) -> None:
-        rt = self._runtime
+        rt = self._runtime  # the lane's context is current: any runtime library takes it as its device
         lib = rt.lib
-        current = ctypes.c_int(-1)
-        lib.cudaGetDevice(ctypes.byref(current))
-        err = lib.cudaSetDevice(self.device)  # a runtime other than torch's has a current device of its own
-        if err:
-            raise BatchCopyError(f"cudaSetDevice({self.device}) failed: {rt.error(err)}")
-        try:
-            memcpy, stream, failed = lib.cudaMemcpyAsync, lane.stream_handle, None
-            for i, (dst, src, length) in enumerate(zip(d.tolist(), s.tolist(), n.tolist())):
-                if length:
-                    err = memcpy(dst, src, length, _CUDA_MEMCPY_DEFAULT, stream)
-                    if err:
-                        failed = (i, err)
-                        lib.cudaGetLastError()
-                        break
-            self.last_submit_s = time.perf_counter() - started
-            if failed:  # what was queued before it still lands: the caller waits for the lane either way
-                i, code = failed
-                raise BatchCopyError(
-                    f"cudaMemcpyAsync of batch entry {i} ({n[i]} bytes, {int(s[i]):#x} -> {int(d[i]):#x}) "
-                    f"failed: {rt.error(code)}")
-        finally:
-            if current.value >= 0 and current.value != self.device:
-                lib.cudaSetDevice(current.value)
+        memcpy, stream, failed = lib.cudaMemcpyAsync, lane.stream_handle, None
+        for i, (dst, src, length) in enumerate(zip(d.tolist(), s.tolist(), n.tolist())):
+            if length:
+                err = memcpy(dst, src, length, _CUDA_MEMCPY_DEFAULT, stream)
+                if err:
+                    failed = (i, err)
+                    lib.cudaGetLastError()
+                    break
+        self.last_submit_s = time.perf_counter() - started
+        if failed:  # what was queued before it still lands: the caller waits for the lane either way
+            i, code = failed
+            raise BatchCopyError(
+                f"cudaMemcpyAsync of batch entry {i} ({n[i]} bytes, {int(s[i]):#x} -> {int(d[i]):#x}) "
+                f"failed: {rt.error(code)}")
 
 
 def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> BatchCopy:
