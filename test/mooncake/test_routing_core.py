@@ -514,3 +514,42 @@ def test_kind_table_batch_across_many_buffers_classifies_each_block():
     assert device == [b for b in blocks if b[1] == 0]
     first = blocks[:20]
     assert table.split(first) == (first, []) and table.split(first)[0] is first
+
+
+def test_kind_table_checks_a_remembered_one_page_per_buffer_shape_without_look_ups(monkeypatch):
+    """The sliding-window state's shape: one page from each of 43 buffers, every request."""
+    from sglang_dsv41.core import mooncake_routing
+
+    buffers = [((i + 1) << 24, 1 << 20, D) for i in range(43)]
+    host_buffer = ((44 << 24), 1 << 20, H)
+    asked = []
+    table = KindTable(buffers + [host_buffer], lambda p: asked.append(p) or D)
+    request = lambda page: [(p + page * 4096, i, 4096) for i, (p, _, _) in enumerate(buffers)]  # noqa: E731
+    assert table.split(request(1)) == (request(1), [])
+    classify = table._host_positions
+    monkeypatch.setattr(table, "_host_positions", lambda blocks: pytest.fail("looked up"))
+    for page in (2, 7):  # later requests, other pages of the same buffers
+        blocks = request(page)
+        device, host = table.split(blocks)
+        assert device is blocks and host == []
+    monkeypatch.setattr(table, "_host_positions", classify)
+    with_host = request(3)
+    with_host[20] = (host_buffer[0] + 8, 20, 64)  # same length, a host source in one place
+    device, host = table.split(with_host)
+    assert host == [with_host[20]] and device == with_host[:20] + with_host[21:]
+    unknown = request(4)
+    unknown[5] = (7 << 40, 5, 64)  # outside known memory: its kind is asked every time
+    for _ in range(2):
+        assert table.split(unknown) == (unknown, [])
+    assert asked == [7 << 40, 7 << 40] and len(table._shapes[43]) == 1
+    for turn in range(6):  # the buffers in other orders: a few shapes per length, the newest first
+        rotated = request(1)[turn:] + request(1)[:turn]
+        assert table.split(rotated) == (rotated, [])
+    assert len(table._shapes[43]) == mooncake_routing.SHAPES_PER_LENGTH
+    assert table._shapes[43][0][0][0] == buffers[5][0]
+    longest = mooncake_routing.MAX_SHAPE_BLOCKS
+    many = [((i + 100) << 24, 1 << 20, D) for i in range(longest + 1)]
+    table = KindTable(many, lambda p: pytest.fail("asked"))
+    for n in (longest, longest + 1):
+        table.split([(p, 0, 64) for p, _, _ in many[:n]])
+    assert list(table._shapes) == [longest]

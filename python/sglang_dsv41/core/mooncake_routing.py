@@ -138,6 +138,13 @@ class RegionTable:
 # bisection over multi-digit integers; the dict is bounded.
 GRANULE_SHIFT = 16
 MAX_REMEMBERED_GRANULES = 1 << 16
+# A short all-device batch whose blocks change buffer at most blocks (a send of
+# one page per buffer: a contiguous KV chunk, the sliding-window state of every
+# layer) is remembered as the device segment of each of its positions. sglang
+# sends the same such shape for every request, so the next one is checked with
+# one range test per block, no look-up. Bounded: a few shapes per length.
+MAX_SHAPE_BLOCKS = 128
+SHAPES_PER_LENGTH = 4
 
 
 class KindTable:
@@ -166,6 +173,7 @@ class KindTable:
             j = self._table.index_containing(edge, 1)
             self._edge_kinds.append(None if j is None else self._kinds[j] is MemoryKind.DEVICE)
         self._granules: dict[int, tuple[int, int, bool]] = {}
+        self._shapes: dict[int, tuple[tuple[tuple[int, int], ...], ...]] = {}  # blocks -> segments by position
 
     def kind_of(self, ptr: int) -> MemoryKind:
         j = self._table.index_containing(ptr, 1)
@@ -188,36 +196,49 @@ class KindTable:
         layer by layer), so the last segment is remembered and most blocks cost
         one range test; a block from another buffer (the sliding-window state
         sends one page per layer, each layer its own buffer) costs one granule
-        look-up, or the first time one bisection of the segment edges. An
-        all-device batch is returned as it came, uncopied.
+        look-up, or the first time one bisection of the segment edges. A short
+        batch of that kind is remembered by shape (``MAX_SHAPE_BLOCKS``): the
+        next one like it costs a range test per block. An all-device batch is
+        returned as it came, uncopied.
         """
-        host_at = self._host_positions(blocks)
+        for segments in self._shapes.get(len(blocks), ()):
+            for block, (lo, hi) in zip(blocks, segments):
+                if not lo <= block[0] < hi:
+                    break
+            else:
+                return blocks, []
+        host_at, look_ups = self._host_positions(blocks)
         if not host_at:
+            if 2 * look_ups > len(blocks) and len(blocks) <= MAX_SHAPE_BLOCKS:
+                self._remember_shape(blocks)
             return blocks, []
         host_set = set(host_at)
         device = [b for i, b in enumerate(blocks) if i not in host_set]
         return device, [blocks[i] for i in host_at]
 
-    def _host_positions(self, blocks: Sequence[Block]) -> list[int]:
+    def _host_positions(self, blocks: Sequence[Block]) -> tuple[list[int], int]:
+        """(positions of the host blocks, segment look-ups made: all blocks when some is host)."""
         # Inlined: this loop runs once per block of every transfer batch. First
         # the common case, every source in device memory, with as little work
         # per block as Python allows; the first host block hands over, with its
         # span, to the loop that collects positions.
-        granules = self._granules
+        granule_of, shift = self._granules.get, GRANULE_SHIFT  # locals: no look-up per block
         lo = hi = 0
         is_device = True
+        look_ups = 0
         for block in blocks:
             src = block[0]
             if lo <= src < hi:
                 continue
-            span = granules.get(src >> GRANULE_SHIFT)
+            look_ups += 1
+            span = granule_of(src >> shift)
             if span is None:
                 span = self._segment_of(int(src))
             lo, hi, is_device = span
             if not is_device:
                 break
         else:
-            return []
+            return [], look_ups
         # the first block equal to this one is this one: an equal block before
         # it would have had the same source, and stopped the loop there
         first_host = blocks.index(block)
@@ -225,21 +246,37 @@ class KindTable:
         for i in range(first_host, len(blocks)):
             src = blocks[i][0]
             if not lo <= src < hi:
-                span = granules.get(src >> GRANULE_SHIFT)
+                span = granule_of(src >> shift)
                 if span is None:
                     span = self._segment_of(int(src))
                 lo, hi, is_device = span
             if not is_device:
                 host_at.append(i)
-        return host_at
+        return host_at, len(blocks)
+
+    def _remember_shape(self, blocks: Sequence[Block]) -> None:
+        """Remember an all-device batch's segment per position; not when a source lies outside
+        known memory (its kind comes from the fallback, each time)."""
+        segments = []
+        for block in blocks:
+            span = self._known_segment(int(block[0]))
+            if span is None or not span[2]:
+                return
+            segments.append(span[:2])
+        known = self._shapes.get(len(blocks), ())
+        self._shapes[len(blocks)] = (tuple(segments),) + known[:SHAPES_PER_LENGTH - 1]
+
+    def _known_segment(self, ptr: int) -> Optional[tuple[int, int, bool]]:
+        """(start, end, is_device) of the segment of known memory holding ptr, else None."""
+        k = bisect.bisect_right(self._edges, ptr) - 1
+        known = self._edge_kinds[k] if k >= 0 else None
+        return None if known is None else (self._edges[k], self._edges[k + 1], known)
 
     def _segment_of(self, ptr: int) -> tuple[int, int, bool]:
         """(start, end, is_device) of ptr's segment, or of ptr alone outside known memory."""
-        k = bisect.bisect_right(self._edges, ptr) - 1
-        known = self._edge_kinds[k] if k >= 0 else None
-        if known is None:
+        span = self._known_segment(ptr)
+        if span is None:
             return ptr, ptr + 1, self._fallback(ptr) is MemoryKind.DEVICE
-        span = (self._edges[k], self._edges[k + 1], known)
         granule = ptr >> GRANULE_SHIFT
         if (
             span[0] <= granule << GRANULE_SHIFT
