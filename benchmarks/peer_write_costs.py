@@ -10,8 +10,9 @@ arrays, translating the destinations into the mapping, the batched copy
 path (``send_paged_batch``) for three DeepSeek-V4.1 send calls: taking the
 call (its page lists as a ``PagedCopy``), the paged copy (launch table with
 its page check, the launch that carries it, kernel, synchronize), the whole call, holding it
-(``PeerWrites``); and a request's last sends held and written as one, with the
-launch table as the kernel's parameter and uploaded first (both in each run). Medians of
+(``PeerWrites``); and a request's last sends held and written as one, through each way
+the copier has of launching it (native writer, table as parameter from Python, table
+uploaded first; all in each run). Medians of
 ``--iters`` calls, repeated ``--runs`` times; prints each run and the range.
 
     PYTHONPATH=python python benchmarks/peer_write_costs.py --runs 3
@@ -196,30 +197,41 @@ def paged_costs(args, peer, target, copier, src) -> None:
             print(f"  held and written as one: {name}: {min(r[0] for r in rows):.0f}-{max(r[0] for r in rows):.0f}")
             continue
         print(f"  {name:>26} " + " ".join(f"{min(c):.0f}-{max(c):.0f}".rjust(13) for c in zip(*rows)))
-    for name, pairs in launchers.items():
-        param, uploaded = zip(*pairs)
-        print(f"  held and written as one, {name}: table as the kernel's parameter {min(param):.0f}-{max(param):.0f}, "
-              f"table uploaded first {min(uploaded):.0f}-{max(uploaded):.0f}")
+    for name, runs in launchers.items():
+        spans = ", ".join(f"{way} {min(t[way] for t in runs):.0f}-{max(t[way] for t in runs):.0f}"
+                          for way in runs[0])
+        print(f"  held and written as one, {name}: {spans}")
 
 
-def launcher_costs(args, copier, request, requests) -> dict[str, list[tuple[float, float]]]:
-    """The held requests again, the table as the kernel's parameter against the table uploaded
-    first (the Triton kernel), in turns within each run; empty where the first is not loaded."""
+def launcher_costs(args, copier, request, requests) -> dict[str, list[dict[str, float]]]:
+    """The held requests again through each way of launching the copier has, in turns within each
+    run: "native" (table filled, checked, launched and waited for in one native call), "parameter"
+    (the table as the kernel's parameter, from Python), "uploaded" (the table uploaded first for
+    the Triton kernel). Empty where the parameter-table kernel is not loaded."""
     if not copier.use_table_as_parameter(True):
         print(f"\n(no launcher comparison: {copier.param_reason})")
         return {}
-    pairs: dict[str, list[tuple[float, float]]] = {}
+    ways = {"native": lambda: copier.use_native_writer(True),
+            "parameter": lambda: not copier.use_native_writer(False),
+            "uploaded": lambda: not copier.use_table_as_parameter(False)}
+    if not copier.use_native_writer(True):
+        print(f"\n(no native writer: {copier.native_reason})")
+        del ways["native"]
+    times: dict[str, list[dict[str, float]]] = {}
     for run in range(args.runs):
         print(f"\nlaunchers, run {run + 1} of {args.runs} (us, median of {args.iters} calls)")
         for name, names in requests.items():
-            times = []
-            for on in (True, False):
-                copier.use_table_as_parameter(on)
-                times.append(_median_us(request(names), args.iters))
+            row = {}
+            for way, use in ways.items():
+                copier.use_table_as_parameter(True)
+                if not use():
+                    raise SystemExit(f"peer_write_costs: the copier refused the launcher {way}")
+                row[way] = _median_us(request(names), args.iters)
             copier.use_table_as_parameter(True)
-            pairs.setdefault(name, []).append(tuple(times))
-            print(f"  held and written as one, {name}: table as parameter {times[0]:.1f}, uploaded {times[1]:.1f}")
-    return pairs
+            copier.use_native_writer(True)
+            times.setdefault(name, []).append(row)
+            print(f"  held and written as one, {name}: " + ", ".join(f"{w} {t:.1f}" for w, t in row.items()))
+    return times
 
 
 if __name__ == "__main__":

@@ -293,10 +293,14 @@ def check_paged(copier, src, dst, copies):
     assert torch.equal(dst, want)
 
 
-def parameter_copier() -> CudaBatchCopy:
+def parameter_copier(launcher: str = "parameter") -> CudaBatchCopy:
+    """A copier passing tables as the kernel's parameter: "native" (filled and launched by the
+    native writer) or "parameter" (from Python)."""
     copier = CudaBatchCopy(0, prefer="triton")
-    if copier.launcher != "parameter":
-        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    if launcher == "parameter":
+        copier.use_native_writer(False)
+    if copier.launcher != launcher:
+        pytest.skip(f"{launcher} is not used here: {copier.native_reason or copier.param_reason}")
     return copier
 
 
@@ -321,14 +325,19 @@ def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
     assert torch.equal(got[torch.from_numpy(dp).cuda()], want)
 
 
-@pytest.mark.parametrize("launcher", ["parameter", "direct", "triton"])
+@pytest.mark.parametrize("launcher", ["native", "parameter", "direct", "triton"])
 def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
     copier = CudaBatchCopy(0, prefer="triton")
     print(f"paged kernel launcher here: {copier.launcher} (parameter table: {copier.param_reason or 'loaded'}; "
+          f"native writer: {copier.native_reason or 'built'}; "
           f"Triton kernel: {copier.launcher_reason or 'direct launch'})")
-    if launcher == "parameter" and copier.launcher != "parameter":
-        pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
-    if launcher != "parameter":
+    if launcher == "native" and copier.launcher != "native":
+        pytest.skip(f"the native writer is not used here: {copier.native_reason or copier.param_reason}")
+    if launcher == "parameter":
+        copier.use_native_writer(False)
+        if copier.launcher != "parameter":
+            pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
+    if launcher not in ("native", "parameter"):
         copier.use_table_as_parameter(False)
     if launcher == "direct" and copier.launcher != "direct":
         pytest.skip(f"this Triton's kernel takes Triton's launcher: {copier.launcher_reason}")
@@ -341,12 +350,13 @@ def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
         check_paged(copier, src, dst, copies)
 
 
-def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools):
+@pytest.mark.parametrize("launcher", ["native", "parameter"])
+def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools, launcher):
     """Tables filling each compiled parameter size, and one just past the largest (the Triton kernel's)."""
     from sglang_dsv41.core.batch_copy import PAGED_CHUNK_BYTES, fill_paged_table, paged_copy
     from sglang_dsv41.core.batch_copy_ptx import PARAM_SIZES
 
-    copier = parameter_copier()
+    copier = parameter_copier(launcher)
     src, dst = pools
     rng = np.random.default_rng(5)
     sizes = []
@@ -363,8 +373,9 @@ def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools):
     assert sizes[:-1] == list(PARAM_SIZES) and sizes[-1] > PARAM_SIZES[-1]
 
 
-def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pools):
-    copier = parameter_copier()
+@pytest.mark.parametrize("launcher", ["native", "parameter"])
+def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pools, launcher):
+    copier = parameter_copier(launcher)
     src, dst = pools
     copies = random_copies(src, dst, 12, calls=2, max_pages=20)
     want = expected_after(src, dst, copies)
@@ -389,11 +400,15 @@ def _current_context(driver) -> int:
     return current.value or 0
 
 
-@pytest.mark.parametrize("prefer", ["triton", "memcpy-async"])
-def test_a_thread_gets_its_own_context_back_and_a_fresh_thread_keeps_the_device_s(pools, prefer):
+@pytest.mark.parametrize("launcher", ["native", "parameter", "per-entry"])
+def test_a_thread_gets_its_own_context_back_and_a_fresh_thread_keeps_the_device_s(pools, launcher):
     """The copy makes the device's primary context current; a thread that had another one gets it
     back (never one it did not have: that would be a new context on some other GPU)."""
-    copier = CudaBatchCopy(0, prefer=prefer)
+    if launcher == "per-entry":
+        copier = CudaBatchCopy(0, prefer="memcpy-async")
+    else:
+        copier = parameter_copier(launcher)
+    assert copier.launcher == launcher
     driver = ctypes.CDLL("libcuda.so.1")
     create = getattr(driver, "cuCtxCreate_v2", None)
     if create is None:

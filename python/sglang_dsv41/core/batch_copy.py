@@ -247,6 +247,7 @@ class _PagedPlan(NamedTuple):
     word: int
     programs: int
     templates: tuple  # the copies' segment templates: kept alive, so their ids stay theirs
+    array_limits: tuple  # per page array (each copy's source, then destination): its limit
 
 
 PAGED_HEAD_WORDS = 2  # segment count, chunk; then one end per segment and the segment rows
@@ -286,18 +287,11 @@ def _paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
         rows[:, 4] = pages
     head = np.concatenate([np.array([segments, chunk], dtype=np.int64), np.cumsum(units), rows.ravel()])
     return _PagedPlan(head, np.repeat(np.array(limits, dtype=np.uint64), sizes), at, word, programs,
-                      tuple(c.segments for c in copies))
+                      tuple(c.segments for c in copies), tuple(limits))
 
 
-def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[int, int, int]:
-    """Write the paged kernel's table; returns (word, programs, bytes used).
-
-    ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
-    Every page id is checked against its copy's limits in the table itself
-    (``PagesOutsideBuffers``). A flush of a request's held sends lands here:
-    besides the plan cache, one NumPy call writes the table and two check it,
-    whatever the number of copies.
-    """
+def paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
+    """The launch plan of ``copies`` (a table's head and page limits), cached by their shape."""
     global _plans_words
     key = (chunk, *[(id(c.segments), len(c.src_pages), c.word, c.src_limit, c.dst_limit) for c in copies])
     plan = _PLANS.get(key)
@@ -309,6 +303,19 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[
         if plan.words <= _PLANS_MAX_WORDS:
             _PLANS[key] = plan
             _plans_words += plan.words
+    return plan
+
+
+def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[int, int, int]:
+    """Write the paged kernel's table; returns (word, programs, bytes used).
+
+    ``reserve(nbytes)`` returns a uint64 array of at least ``nbytes`` bytes.
+    Every page id is checked against its copy's limits in the table itself
+    (``PagesOutsideBuffers``). A flush of a request's held sends lands here:
+    besides the plan cache, one NumPy call writes the table and two check it,
+    whatever the number of copies.
+    """
+    plan = paged_plan(copies, chunk)
     words = reserve(8 * plan.words)
     parts = [plan.head]
     for c in copies:
@@ -640,8 +647,14 @@ class CudaBatchCopy:
         self._param = None  # batch_copy_ptx.ParamTableKernel, once it proved itself (None: not used)
         self._param_loaded = None
         self.param_reason: Optional[str] = None  # why small paged copies do not take it
+        self._native = None  # batch_copy_native's module, once it proved itself (None: not used)
+        self._native_loaded = None
+        self._native_args: tuple = ()
+        self.native_reason: Optional[str] = None  # why the parameter-table kernel is launched from Python
         self._kernels = None
-        self.last_submit_s = 0.0  # diagnostics: CPU time of the last call up to its synchronize
+        # diagnostics: CPU time of the last call up to its synchronize (None: the native writer's
+        # one call did both)
+        self.last_submit_s: Optional[float] = 0.0
         with torch.cuda.device(device):
             torch.cuda.init()
         self._context = _DeviceContext(device)
@@ -712,20 +725,49 @@ class CudaBatchCopy:
         why = self._probe_paged()
         if why is not None:
             self._param, self.param_reason = None, f"the parameter-table kernel's probe {why}"
+            return
         self._param_loaded = self._param
+        self._load_native()
+
+    def _load_native(self) -> None:
+        """The native writer for the parameter-table kernel, probed; without it Python fills and launches."""
+        from sglang_dsv41.core import batch_copy_native
+
+        try:
+            module = batch_copy_native.build()
+            driver = batch_copy_native.driver_calls()
+        except batch_copy_native.NativeWriteError as exc:
+            self.native_reason = str(exc)
+            return
+        self._native_args = (self._param.kernels, self._param.threads, self._context.context, driver)
+        self._native = module
+        why = self._probe_paged()
+        if why is not None:
+            self._native, self.native_reason = None, f"the native writer's probe {why}"
+        self._native_loaded = self._native
 
     def use_table_as_parameter(self, on: bool) -> bool:
         """Whether small paged copies pass their table as the kernel's parameter (else they upload
         it, as large ones do); for comparing the two. Returns what is in effect: False when the
         kernel is not loaded here."""
         self._param = self._param_loaded if on else None
+        self._native = self._native_loaded if on else None
         return self._param is not None
+
+    def use_native_writer(self, on: bool) -> bool:
+        """Whether the parameter-table kernel's writes are filled and launched natively (else from
+        Python); for comparing the two. Returns what is in effect."""
+        self._native = self._native_loaded if on and self._param is not None else None
+        return self._native is not None
 
     @property
     def launcher(self) -> str:
-        """How a small paged copy is launched: "parameter" (table as the kernel's parameter),
+        """How a small paged copy is launched: "native" (table as the kernel's parameter, filled,
+        checked, launched and waited for in one native call), "parameter" (the same from Python),
         "direct" (table uploaded, one cuLaunchKernel), "triton" (Triton's launcher) or
         "per-entry" (no kernel: one cudaMemcpyAsync per block)."""
+        if self._native is not None:
+            return "native"
         if self._param is not None:
             return "parameter"
         if self._kernels is None:
@@ -772,12 +814,52 @@ class CudaBatchCopy:
     def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
         """Every page pair of ``copies`` in one launch of a paged kernel (no block list)."""
         started = time.perf_counter()
+        if not copies:
+            return
+        if self._native is not None and self._write_native(copies):
+            return
         if self._kernels is None and self._param is None:
             self.copy(*expand_paged(copies))
             return
-        if not copies:
-            return
         self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
+
+    def _write_native(self, copies: Sequence[PagedCopy]) -> bool:
+        """The whole write in one native call; False (nothing written) when it is not for this one."""
+        from sglang_dsv41.core import batch_copy_native as native
+
+        plan = paged_plan(copies, PAGED_CHUNK_BYTES)
+        if plan.word != 16 or 8 * plan.words > self._param.max_bytes:
+            return False
+        if not plan.programs:
+            return True
+        pages = []
+        for c in copies:
+            pages += (c.src_pages, c.dst_pages)
+        kernels, threads, context, driver = self._native_args
+        with self._lock:
+            lane = self._lanes.pop() if self._lanes else None
+        try:
+            if lane is None:
+                lane = _Lane(self._torch, self.device)
+            status, detail = self._native.write_pages(
+                plan.head, tuple(pages), plan.array_limits, lane.host_ptr, lane.capacity, plan.words, kernels,
+                plan.programs, threads, lane.stream_handle, context, driver)
+        except Exception as exc:  # a lane that cannot be made, arguments the module refuses
+            raise BatchCopyError(f"paged write on cuda:{self.device} failed: {exc}") from exc
+        finally:
+            if lane is not None:
+                with self._lock:
+                    self._lanes.append(lane)
+        if status == native.WRITTEN:
+            self.last_submit_s = None
+            return True
+        if status == native.PAGE_OUTSIDE:
+            raise pages_outside(copies) or BatchCopyError("paged copy page check disagrees with itself")
+        if status in (native.NOT_PAGES, native.TABLE_TOO_LARGE):
+            return False
+        stage = {native.CONTEXT_FAILED: "making its context current", native.LAUNCH_FAILED: "the launch",
+                 native.SYNC_FAILED: "waiting for the copy"}.get(status, f"status {status}")
+        raise BatchCopyError(f"paged write on cuda:{self.device} failed in {stage}: CUDA driver error {detail}")
 
     def _on_lane(self, work, what: str) -> None:
         """Run ``work`` (which launches) on a lane of its own, then wait for the lane's stream."""

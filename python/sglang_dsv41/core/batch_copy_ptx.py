@@ -218,6 +218,9 @@ class ParamTableKernel:
         self._launch = lib.cuLaunchKernel
         self._threads = THREADS  # what the module was built for
         self.max_bytes = PARAM_SIZES[-1]
+        # for a native caller: (parameter bytes, CUfunction address), smallest first, and threads per program
+        self.kernels = tuple((size, fn.value) for size, fn in self._functions)
+        self.threads = self._threads
         self._params: dict[int, ctypes.Array] = {}  # kernelParams per table buffer: one pointer, to it
 
     def params_for(self, table_ptr: int) -> ctypes.Array:

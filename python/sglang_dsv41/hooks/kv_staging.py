@@ -181,11 +181,11 @@ def staging_region(manager, device_regions=()) -> Optional[tuple[int, int]]:
                     f"writes: {exc}. Use {STAGING_ENV}=1 or unset it, or fix the cause."
                 ) from exc
             manager.__dict__[_STATE_ATTR] = state
-            slower = getattr(state.copier, "param_reason", None)
+            slower = getattr(state.copier, "param_reason", None) or getattr(state.copier, "native_reason", None)
             logger.info(
                 "[sglang-dsv41] KV peer writes on (%s side, %s, paged copies launched: %s%s): %s",
                 role, state.transport.kind, getattr(state.copier, "launcher", "?"),
-                f", not with the table as parameter: {slower}" if slower else "",
+                f", not the fastest way: {slower}" if slower else "",
                 f"{len(state.exported.regions)} regions in {len(state.exported.handles)} allocations "
                 "exported" if state.exported is not None else
                 f"batches of {config.min_blocks}+ device blocks written straight into the decode's KV",
