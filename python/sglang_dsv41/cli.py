@@ -181,9 +181,17 @@ def _kv_staging_finding() -> Finding | None:
         return Finding("kv-staging", "fail", f"{STAGING_ENV}={value} needs Triton for its batched copy, "
                        "and triton is not installed: the PD server would stop at start")
     if config.mode == MODE_PEER:
+        from sglang_dsv41.core.batch_copy_native import NativeWriteError, build
+
+        try:
+            build()
+        except NativeWriteError as exc:  # the Python path works: slower, not wrong
+            return Finding("kv-staging", "warn", f"{STAGING_ENV}=peer: the native writer does not build here "
+                           f"({exc}); peer writes will fill and launch their tables from Python, slower")
         return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
                        "device blocks written straight into the decode's KV over CUDA IPC, from their "
-                       "page lists where sglang's send allows; a request's last chunk as one write")
+                       "page lists where sglang's send allows; a request's last chunk as one write "
+                       "(native writer builds)")
     return Finding("kv-staging", "ok", f"{STAGING_ENV}=1: {config.slots} slots of "
                    f"{config.slot_bytes >> 20} MiB per side, batches of {config.min_blocks}+ blocks staged")
 

@@ -15,8 +15,9 @@ streams: the sources must be complete when ``copy`` is called.
 
 Page-addressed batches (``PagedCopy``: buffers, and page ids shared by
 them) go by ``copy_pages`` as one launch whose table names pages, not
-blocks: as the kernel's parameter where it fits (``batch_copy_ptx``), else
-uploaded for the Triton paged kernel.
+blocks: as the kernel's parameter where it fits (``batch_copy_ptx``; filled,
+checked and launched in one native call where ``batch_copy_native`` builds),
+else uploaded for the Triton paged kernel.
 Nothing here imports sglang; torch and triton are imported on first use.
 """
 
