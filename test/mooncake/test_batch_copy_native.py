@@ -157,6 +157,8 @@ def test_arrays_it_cannot_read_and_tables_no_kernel_holds_launch_nothing(module)
     floats = copies[:1] + [copies[1]._replace(src_pages=copies[1].src_pages.astype(np.float64))]
     driver = StandInDriver(current=OURS)
     assert write(module, driver, floats)[:2] == (native.NOT_PAGES, 2)
+    swapped = copies[:1] + [copies[1]._replace(dst_pages=copies[1].dst_pages.astype(">i4"))]
+    assert write(module, driver, swapped)[:2] == (native.NOT_PAGES, 3)  # left to NumPy, which converts it
     plan = paged_plan(copies, PAGED_CHUNK_BYTES)
     pages = tuple(a for c in copies for a in (c.src_pages, c.dst_pages))
     table = np.zeros(8192, np.uint64)

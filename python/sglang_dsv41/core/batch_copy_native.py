@@ -60,10 +60,12 @@ static PyObject *done(int status, long long detail) {
 }
 
 /* Converts one page array into int64 words at out; returns -1 if a page is at or past limit
-   (negative pages, read as unsigned, are past every limit), 1 if the buffer is not a 1-D array
-   of 4- or 8-byte integers, else 0. */
+   (negative pages, read as unsigned, are past every limit), 1 if the buffer is not an array of
+   4- or 8-byte integers in the host's byte order, else 0. */
 static int put_pages(const Py_buffer *v, uint64_t limit, int64_t *out) {
     Py_ssize_t n = v->shape[0];
+    if (v->format && (strchr(v->format, '>') || strchr(v->format, '!')))
+        return 1;  /* not in this host's byte order (x86 and arm64 hosts are little-endian) */
     char kind = v->format ? v->format[strlen(v->format) - 1] : 'B';
     int is_signed = (kind == 'i' || kind == 'l' || kind == 'q');
     int is_unsigned = (kind == 'I' || kind == 'L' || kind == 'Q');
