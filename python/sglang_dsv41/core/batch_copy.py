@@ -34,6 +34,8 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
+from sglang_dsv41.core import batch_copy_native as native  # no torch, no compiler until a copier starts
+
 
 _U64_MAX = (1 << 64) - 1
 
@@ -732,12 +734,10 @@ class CudaBatchCopy:
 
     def _load_native(self) -> None:
         """The native writer for the parameter-table kernel, probed; without it Python fills and launches."""
-        from sglang_dsv41.core import batch_copy_native
-
         try:
-            module = batch_copy_native.build()
-            driver = batch_copy_native.driver_calls()
-        except batch_copy_native.NativeWriteError as exc:
+            module = native.build()
+            driver = native.driver_calls()
+        except native.NativeWriteError as exc:
             self.native_reason = str(exc)
             return
         self._native_args = (self._param.kernels, self._param.threads, self._context.context, driver)
@@ -826,8 +826,6 @@ class CudaBatchCopy:
 
     def _write_native(self, copies: Sequence[PagedCopy]) -> bool:
         """The whole write in one native call; False (nothing written) when it is not for this one."""
-        from sglang_dsv41.core import batch_copy_native as native
-
         plan = paged_plan(copies, PAGED_CHUNK_BYTES)
         if plan.word != 16 or 8 * plan.words > self._param.max_bytes:
             return False
@@ -837,11 +835,9 @@ class CudaBatchCopy:
         for c in copies:
             pages += (c.src_pages, c.dst_pages)
         kernels, threads, context, driver = self._native_args
-        with self._lock:
-            lane = self._lanes.pop() if self._lanes else None
+        lane = None
         try:
-            if lane is None:
-                lane = _Lane(self._torch, self.device)
+            lane = self._take_lane()
             status, detail = self._native.write_pages(
                 plan.head, tuple(pages), plan.array_limits, lane.host_ptr, lane.capacity, plan.words, kernels,
                 plan.programs, threads, lane.stream_handle, context, driver)
@@ -849,8 +845,7 @@ class CudaBatchCopy:
             raise BatchCopyError(f"paged write on cuda:{self.device} failed: {exc}") from exc
         finally:
             if lane is not None:
-                with self._lock:
-                    self._lanes.append(lane)
+                self._give_back_lane(lane)
         if status == native.WRITTEN:
             self.last_submit_s = None
             return True
@@ -864,12 +859,10 @@ class CudaBatchCopy:
 
     def _on_lane(self, work, what: str) -> None:
         """Run ``work`` (which launches) on a lane of its own, then wait for the lane's stream."""
-        with self._lock:
-            lane = self._lanes.pop() if self._lanes else None
         previous = self._context.enter()
+        lane = None
         try:
-            if lane is None:
-                lane = _Lane(self._torch, self.device)
+            lane = self._take_lane()
             try:
                 work(lane)
             finally:  # even after a failure: nothing queued may land after we return
@@ -881,8 +874,18 @@ class CudaBatchCopy:
         finally:
             self._context.leave(previous)
             if lane is not None:
-                with self._lock:
-                    self._lanes.append(lane)
+                self._give_back_lane(lane)
+
+    def _take_lane(self) -> _Lane:
+        """A lane no other call is using: a free one, else a new one."""
+        with self._lock:
+            if self._lanes:
+                return self._lanes.pop()
+        return _Lane(self._torch, self.device)
+
+    def _give_back_lane(self, lane: _Lane) -> None:
+        with self._lock:
+            self._lanes.append(lane)
 
     def _sync(self, lane: _Lane) -> None:
         """Wait for everything queued on the lane; raises if any of it failed."""
