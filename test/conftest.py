@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+# Helpers shared across feature folders; a folder's own helpers are its _*.py.
+sys.path.insert(0, str(HELPERS))
 
 
 def run_python(code: str, *, env: dict | None = None, timeout: float = 240,

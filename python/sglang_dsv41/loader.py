@@ -12,11 +12,11 @@ import importlib
 import logging
 import os
 
-from sglang_dsv41 import checks
-from sglang_dsv41 import fingerprint as fp
-from sglang_dsv41._pin import ALLOW_DRIFT_ENV
-from sglang_dsv41.patch_spec import HookKind, Patch
-from sglang_dsv41.patch_table import PATCHES
+from sglang_dsv41.plugin import drift
+from sglang_dsv41.plugin import fingerprint as fp
+from sglang_dsv41.plugin.pin import ALLOW_DRIFT_ENV
+from sglang_dsv41.plugin.spec import HookKind, Patch
+from sglang_dsv41.plugin.table import PATCHES
 
 logger = logging.getLogger("sglang_dsv41")
 
@@ -84,7 +84,7 @@ def resolve_upstream(target: str):
     return obj
 
 
-def import_problems(patches) -> list[checks.Problem]:
+def import_problems(patches) -> list[drift.Problem]:
     """One problem per patch whose upstream module does not import, naming the error."""
     failed: dict[str, str] = {}
     found = []
@@ -101,7 +101,7 @@ def import_problems(patches) -> list[checks.Problem]:
                 failed[module_name] = f"{type(exc).__name__}: {exc}"
         if failed[module_name]:
             found.append(
-                checks.Problem(
+                drift.Problem(
                     patch.id, patch.target,
                     f"cannot import {module_name}: {failed[module_name]}",
                 )
@@ -129,7 +129,7 @@ def registered_hook(patch_id: str):
     return _registered.get(patch_id)
 
 
-def _register(patch: Patch) -> None:
+def register_patch(patch: Patch) -> None:
     fn = hook_callable(patch)
     if patch.kind.uses_hook_registry:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -175,7 +175,7 @@ def activate() -> None:
     # A target module that fails to import (a hardware library missing, say)
     # stops the process naming the real error; sglang's own hook application
     # imports these modules right after us anyway.
-    problems = checks.all_problems(PATCHES) + import_problems(PATCHES)
+    problems = drift.all_problems(PATCHES) + import_problems(PATCHES)
     if problems:
         if not drift_allowed():
             raise _fail([str(p) for p in problems])
@@ -190,7 +190,7 @@ def activate() -> None:
             logger.warning("[sglang-dsv41] patch %s not registered: target missing", patch.id)
             continue
         try:
-            _register(patch)
+            register_patch(patch)
         except SystemExit:
             raise
         except Exception as exc:  # the surrounding loader would swallow it

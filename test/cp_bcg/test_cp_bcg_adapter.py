@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vision_cp"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 
 from dsv41_cp_harness import (  # noqa: E402
     CP_LAYOUTS,

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vision_cp"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 
 from dsv41_cp_harness import PeerShardsGroup, cp_scope, extend_batch, installed  # noqa: E402
 from sglang.srt.layers.cp.utils import prepare_cp_forward  # noqa: E402
@@ -212,7 +212,7 @@ def test_bcg_engram_outside_cp_keeps_the_upstream_path(bcg_enabled):
 
 
 def test_bcg_engram_live_rows_must_fit_the_captured_output():
-    from sglang_dsv41.core.cp_bcg_engram import write_live_hash_rows
+    from sglang_dsv41.cp_bcg.engram import write_live_hash_rows
 
     out = torch.full((6, 2, 3), 9)
     write_live_hash_rows(out, torch.ones(4, 2, 3, dtype=out.dtype))

@@ -19,7 +19,7 @@ import pytest
 
 import sglang_dsv41
 from conftest import run_python
-from sglang_dsv41.core.cp_bcg_rules import CPBCGArgs, cp_bcg_refusal, parse_cp_bcg_setting
+from sglang_dsv41.cp_bcg.rules import CPBCGArgs, cp_bcg_refusal, parse_cp_bcg_setting
 
 HERE = Path(__file__).parent
 TINY = Path(sglang_dsv41.__file__).parent / "data" / "tiny_dsv41"

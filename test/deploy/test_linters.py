@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 COMPOSE_FILES = sorted(
     [*(REPO_ROOT / "deploy" / "b300-ds41").glob("*.yml"),
      *(REPO_ROOT / "deploy" / "b300-ds41" / "base").glob("*.yml"),
-     *(Path(__file__).parent / "bad").rglob("*.yml")]
+     *(REPO_ROOT / "test" / "tools" / "plan" / "bad").rglob("*.yml")]
 )
 DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "Dockerfile.gitea"]
 WORKFLOW = REPO_ROOT / ".gitea" / "workflows" / "build-image.yaml"
@@ -109,7 +109,7 @@ def test_workflow_checks_every_push_of_every_branch():
     assert "hadolint" in lint and "vendor.compose-spec" in lint
     plan = next(s for s in check["steps"] if s.get("name") == "sglang-dsv41 plan on every shipped topology")
     assert plan["working-directory"] == "deploy/b300-ds41"
-    assert "from sglang_dsv41.deploy_plan import main" in plan["run"] and '"*.yml"' in plan["run"]
+    assert "from sglang_dsv41.tools.plan.cli import main" in plan["run"] and '"*.yml"' in plan["run"]
 
 
 def test_workflow_publishes_images_after_the_check_for_the_listed_branches():
@@ -185,7 +185,7 @@ def test_image_job_stops_while_the_registry_is_the_placeholder(tmp_path, registr
 
 
 def test_env_example_names_every_variable_the_compose_files_use():
-    from sglang_dsv41.core.compose_model import read_env_file
+    from sglang_dsv41.tools.plan.compose import read_env_file
 
     deploy = REPO_ROOT / "deploy" / "b300-ds41"
     example = read_env_file(deploy / ".env.example")

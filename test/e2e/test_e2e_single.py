@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 
-from e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
-from sglang_dsv41.core.embed_override_rules import ADMISSION_ERROR
-from sglang_dsv41.patch_spec import Role
-from sglang_dsv41.patch_table import owed_to
+from _e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
+from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR
+from sglang_dsv41.plugin.spec import Role
+from sglang_dsv41.plugin.table import owed_to
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

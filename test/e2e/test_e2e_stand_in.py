@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from e2e_server import KERNEL_CALLS_ENV, STAND_INS
+from _e2e_server import KERNEL_CALLS_ENV, STAND_INS
 
 
 def test_a_called_stand_in_kernel_raises_and_leaves_its_name(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_server import PLUGIN_MARK, Server, override_with_media, start_healthy, tiny_model  # noqa: F401
+from _e2e_server import PLUGIN_MARK, Server, override_with_media, start_healthy, tiny_model  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -18,10 +18,10 @@ import psutil
 import pytest
 import requests
 
-from e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
-from sglang_dsv41.core.embed_override_rules import ADMISSION_ERROR
-from sglang_dsv41.patch_spec import Role
-from sglang_dsv41.patch_table import owed_to
+from _e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
+from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR
+from sglang_dsv41.plugin.spec import Role
+from sglang_dsv41.plugin.table import owed_to
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -136,7 +136,7 @@ def test_metrics_endpoint_carries_the_plugins_series(server):
 
 def test_smoke_passes_against_the_real_server(server):
     done = subprocess.run(
-        [sys.executable, "-m", "sglang_dsv41.cli", "smoke", "--json", "--timeout", "300", server.base],
+        [sys.executable, "-m", "sglang_dsv41.tools.cli", "smoke", "--json", "--timeout", "300", server.base],
         capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr

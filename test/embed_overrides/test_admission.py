@@ -125,8 +125,8 @@ from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
 from sglang.srt.managers.multi_tokenizer_mixin import TokenizerWorker
 from sglang.srt.runtime_context import publish
 from sglang.srt.server_args import ServerArgs
-from sglang_dsv41.activation import role_status
-from sglang_dsv41.patch_spec import Role
+from sglang_dsv41.plugin.verify import role_status
+from sglang_dsv41.plugin.spec import Role
 import torch
 
 publish(ServerArgs(model_path="dummy"), role="tokenizer")

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from sglang_dsv41.core import embed_override_rules as rules
+from sglang_dsv41.embed_overrides import rules
 
 TEXT = rules.RowKind(has_overrides=False, has_multimodal=False)
 OVERRIDE = rules.RowKind(has_overrides=True, has_multimodal=False)

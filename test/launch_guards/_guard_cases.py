@@ -145,7 +145,7 @@ def _resolve(build) -> dict:
 
 
 def _final_features(server_args):
-    from sglang_dsv41.hooks.launch_guards import crash_features
+    from sglang_dsv41.launch_guards.hooks import crash_features
 
     return crash_features(server_args).__dict__
 
@@ -178,7 +178,7 @@ def run_kwarg_cases():
 
 
 def _plan_output(path: str) -> tuple[int, str]:
-    from sglang_dsv41.deploy_plan import main
+    from sglang_dsv41.tools.plan.cli import main
 
     # A topology is planned with the node's shared Mooncake master beside it,
     # as it is deployed.
@@ -193,19 +193,19 @@ def _plan_output(path: str) -> tuple[int, str]:
 def _serve_verdicts(path: str) -> dict[str, str]:
     """What `sglang serve` does with each service's command: the refusal it
     exits with, or what the guard decided when resolution went through."""
-    from sglang_dsv41 import deploy_plan
-    from sglang_dsv41.core.compose_model import load_services
-    from sglang_dsv41.core.topology_checks import sglang_serve_args
+    from sglang_dsv41.tools.plan import cli
+    from sglang_dsv41.tools.plan.compose import load_services
+    from sglang_dsv41.tools.plan.checks import sglang_serve_args
 
     services, _ = load_services(path)
     verdicts = {}
-    with deploy_plan._tiny_checkpoint() as checkpoint:
+    with cli.tiny_checkpoint() as checkpoint:
         for service in services:
             args = sglang_serve_args(service.argv)
             if args is None:
                 continue
-            argv, _ = deploy_plan._server_argv(service, args, checkpoint)
-            with deploy_plan._container_environment(service), \
+            argv, _ = cli.server_argv(service, args, checkpoint)
+            with cli.container_environment(service), \
                     override_platform(is_cuda=True, is_hip=False):
                 out = _resolve(lambda: prepare_server_args(argv))
             if out["refusal"] is not None:

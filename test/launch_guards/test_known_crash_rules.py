@@ -1,4 +1,4 @@
-"""The known-crash rule set on its own (core/known_crashes.py, no sglang import),
+"""The known-crash rule set on its own (launch_guards/rules.py, no sglang import),
 and the place in sglang's resolution pipeline the guard relies on."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from importlib.metadata import distribution
 
 import pytest
 
-from sglang_dsv41.core.known_crashes import (
-    CP_BCG_OPT_IN_ENV,
+from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV
+from sglang_dsv41.launch_guards.rules import (
     REPLAY_UNDER_CP,
     REPLAY_UNDER_DP_ATTENTION,
     UNREPLAYED_CP_PREFILL_GRAPH,
@@ -19,7 +19,7 @@ from sglang_dsv41.core.known_crashes import (
     known_crash,
     launch_verdict,
 )
-from sglang_dsv41.patch_table import by_id
+from sglang_dsv41.plugin.table import by_id
 
 
 def _features(**over) -> CrashFeatures:
@@ -84,8 +84,8 @@ def test_messages_name_the_flags_and_the_way_out():
     assert "turned off" in turned_off and "--no-enable-decoder-swa-bounded-replay" in turned_off
     graph = launch_verdict(_features(decoder_swa_bounded_replay=False, attn_cp_size=4,
                                      prefill_graph_backend="breakable", prefill_graph_requested=True)).message
-    assert "--cuda-graph-backend-prefill breakable" in graph and f"{CP_BCG_OPT_IN_ENV}=1" in graph
-    assert CP_BCG_OPT_IN_ENV == "SGLANG_DSV41_CP_BCG"
+    assert "--cuda-graph-backend-prefill breakable" in graph and f"{CP_BCG_ENV}=1" in graph
+    assert CP_BCG_ENV == "SGLANG_DSV41_CP_BCG"
 
 
 def test_plan_check_and_launch_guard_are_one_rule_set():

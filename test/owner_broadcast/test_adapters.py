@@ -1,6 +1,6 @@
 """Our hooks inside the real sglang 0.5.23 input preparation, two ranks on gloo.
 
-adapter_worker.py registers only the owner-broadcast patches through sglang's
+_adapter_worker.py registers only the owner-broadcast patches through sglang's
 HookRegistry and drives DeepseekV4ForCausalLM.prepare_language_model_inputs
 through embed_mm_inputs and the chunked per-image scheduling code. Here we
 check which path each chunk took and what it produced.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("adapter_worker.py")
+WORKER = Path(__file__).with_name("_adapter_worker.py")
 PROCESS_TIMEOUT_S = 420
 
 

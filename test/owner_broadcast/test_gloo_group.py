@@ -1,7 +1,7 @@
 """The owner protocol across real processes: torch.distributed gloo groups of 2, 3 and 4.
 
 One spawn of four processes runs every scenario on groups of 2, 3 and 4 of
-them (see gloo_scenarios.py); a hang anywhere fails the test through the
+them (see _gloo_scenarios.py); a hang anywhere fails the test through the
 process timeout below.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_dsv41.core.owner_routing import balanced_owners
+from sglang_dsv41.owner_broadcast.routing import balanced_owners
 
-WORKER = Path(__file__).with_name("gloo_scenarios.py")
+WORKER = Path(__file__).with_name("_gloo_scenarios.py")
 PROCESS_TIMEOUT_S = 300
 FAILURE_PHASES = ["prepare", "manifest", "plan", "encode", "receive-buffer", "features",
                   "text-embedding", "finalize"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dsv41.core.owner_embedding import (
+from sglang_dsv41.owner_broadcast.protocol import (
     Action,
     Manifest,
     OwnerProtocolError,
@@ -21,11 +21,11 @@ from sglang_dsv41.core.owner_embedding import (
     canonical_geometry,
     make_plan,
     manifest_digest,
-    owner_of,
     plan_spans,
     select_owner_group_kind,
     split_encoder_output,
 )
+from sglang_dsv41.owner_broadcast.routing import owner_of
 
 WIDTH = 4
 

@@ -30,8 +30,8 @@ from sglang.srt.managers.schedule_batch import (  # noqa: E402
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_dsv41.core.owner_chunks import build_table  # noqa: E402
-from sglang_dsv41.core.owner_routing import (  # noqa: E402
+from sglang_dsv41.owner_broadcast.chunks import build_table  # noqa: E402
+from sglang_dsv41.owner_broadcast.routing import (  # noqa: E402
     ChunkSpan,
     ItemMeta,
     OwnerRouter,
@@ -40,7 +40,7 @@ from sglang_dsv41.core.owner_routing import (  # noqa: E402
     RoutingPolicy,
     SpanDirectory,
 )
-from sglang_dsv41.hooks import owner_broadcast  # noqa: E402
+from sglang_dsv41.owner_broadcast import hooks as owner_broadcast  # noqa: E402
 
 
 def image(content_hash, start, length, grid=(4, 4)):
@@ -57,7 +57,7 @@ def one_rank_group(tmp_path_factory):
     it (the routes themselves are what these tests look at)."""
     import torch.distributed as dist
 
-    from sglang_dsv41.core.owner_embedding import TorchDistributedGroup
+    from sglang_dsv41.owner_broadcast.protocol import TorchDistributedGroup
 
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in this process (another test leaked it)")
@@ -252,14 +252,14 @@ def test_a_class_without_an_instance_dict_stops_the_build(monkeypatch):
     # the first image chunk. (test/upstream_pins pins that 0.5.23 has one.)
     from sglang.srt.managers import schedule_batch
 
-    owner_broadcast._require_request_tables()  # 0.5.23: fine
+    owner_broadcast.require_request_tables()  # 0.5.23: fine
 
     class SlottedInputs:
         __slots__ = ("mm_items",)
 
     monkeypatch.setattr(schedule_batch, "MultimodalInputs", SlottedInputs)
     with pytest.raises(RuntimeError, match="OWN-FENCE.*no instance dict.*SGLANG_DSV41_OWNER_BROADCAST=0"):
-        owner_broadcast._require_request_tables()
+        owner_broadcast.require_request_tables()
 
 
 def test_pin_merging_media_builds_a_new_item_list():
@@ -281,7 +281,7 @@ def admitted(*media_turns):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_dsv41.testing import patches_installed
+    from sglang_dsv41.plugin.testing import patches_installed
 
     params = SamplingParams(max_new_tokens=1)
     params.normalize(None)
@@ -348,9 +348,9 @@ def test_the_real_scheduler_admission_builds_the_table(model, monkeypatch):
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_dsv41.testing import patches_installed
+    from sglang_dsv41.plugin.testing import patches_installed
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "embed_overrides"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "helpers"))
     import embed_harness
 
     monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)

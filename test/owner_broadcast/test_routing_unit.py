@@ -1,4 +1,4 @@
-"""Unit tests of chunk routing (sglang_dsv41.core.owner_routing), no sglang import.
+"""Unit tests of chunk routing (sglang_dsv41.owner_broadcast.routing), no sglang import.
 
 Multi-rank behaviour of the routes (no collective on stock routes, directories
 equal on every rank) is in test_gloo_group.py and test_adapters.py.
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_dsv41.core.owner_embedding import plan_spans
-from sglang_dsv41.core.owner_routing import (
+from sglang_dsv41.owner_broadcast.protocol import plan_spans
+from sglang_dsv41.owner_broadcast.routing import (
     DEFAULT_MIN_SAVING,
     DEFAULT_PER_IMAGE_COST,
     ENV_MIN_SAVING,
@@ -450,8 +450,8 @@ def test_the_owner_core_modules_import_no_sglang():
 
     code = (
         "import sys\n"
-        "import sglang_dsv41.core.owner_chunks, sglang_dsv41.core.owner_routing\n"
-        "import sglang_dsv41.core.owner_embedding\n"
+        "import sglang_dsv41.owner_broadcast.chunks, sglang_dsv41.owner_broadcast.routing\n"
+        "import sglang_dsv41.owner_broadcast.protocol\n"
         "print(sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

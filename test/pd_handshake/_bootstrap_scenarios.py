@@ -49,9 +49,9 @@ def handshake_all(shape, addr, **kwargs) -> list:
 
 
 def scenario_plugin_installed() -> dict:
-    from sglang_dsv41.activation import is_installed
+    from sglang_dsv41.plugin.verify import is_installed
     from sglang_dsv41.loader import registered_hook
-    from sglang_dsv41.patch_table import by_id
+    from sglang_dsv41.plugin.table import by_id
 
     patch = by_id()[H.PATCH_ID]
     method = CommonKVManager.__dict__["try_ensure_parallel_info"]

@@ -27,8 +27,8 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode, filter_kv_indices_for_cp_rank
 from sglang.srt.runtime_context import get_context, get_parallel
 
-from sglang_dsv41.patch_table import by_id
-from sglang_dsv41.testing import patches_installed
+from sglang_dsv41.plugin.table import by_id
+from sglang_dsv41.plugin.testing import patches_installed
 
 PATCH_ID = "PDH-PAIRING"
 POOLS = ("mla", "hybrid_mla", "other")

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.common import backup_kv_cache
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.runtime_context import get_context
-from sglang_dsv41.core.pd_pairing import PairingRejected
+from sglang_dsv41.pd_handshake.pairing import PairingRejected
 
 P, D = H.PrefillShape, H.DecodeShape
 
@@ -285,10 +285,10 @@ def test_layout_mismatch_still_rejected():
 def test_each_refused_pairing_is_counted_for_the_metrics():
     """sglang_dsv41_pd_pairings_refused_total: one per refused handshake, none
     for an accepted one."""
-    from sglang_dsv41.core import plugin_metrics
+    from sglang_dsv41 import metrics
 
     def refused() -> float:
-        return plugin_metrics.totals()["pd_pairings_refused"].get("", 0)
+        return metrics.totals()["pd_pairings_refused"].get("", 0)
 
     before = refused()
     with paired(P(4), D(4), decode_dspark=False) as (server, managers):

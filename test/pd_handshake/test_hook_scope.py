@@ -8,7 +8,7 @@ import pytest
 
 import _pd_harness as H
 from sglang.srt.disaggregation.common import conn
-from sglang_dsv41.core.pd_pairing import PairingRejected
+from sglang_dsv41.pd_handshake.pairing import PairingRejected
 
 REAL_INFO_CLASS = conn.PrefillServerInfo
 

@@ -29,7 +29,7 @@ import pytest
 
 import _pd_harness as H
 from sglang.srt.runtime_context import get_context
-from sglang_dsv41.core.pd_pairing import (
+from sglang_dsv41.pd_handshake.pairing import (
     PairingRejected,
     Rule,
     evaluate_pairing,
@@ -134,7 +134,7 @@ def test_pure_rule_rejects_layout_and_flag_differences_naming_both_values():
                            spec_layout={**STAND_IN_LAYOUT, "num_draft_tokens": 5},
                            page_size=H.PAGE_SIZE, kv_cache_dtype=H.KV_DTYPE)
     with pytest.raises(PairingRejected) as err:
-        from sglang_dsv41.core.pd_pairing import check_pairing
+        from sglang_dsv41.pd_handshake.pairing import check_pairing
         check_pairing(p, other)
     assert "spec_layout.num_draft_tokens: prefill=6, decode=5" in str(err.value)
     assert isinstance(err.value, ValueError) and isinstance(err.value, RuntimeError)
@@ -161,7 +161,7 @@ def test_pure_rule_rejects_layout_and_flag_differences_naming_both_values():
 
 
 def test_pd_side_refuses_inconsistent_input():
-    from sglang_dsv41.core.pd_pairing import PDSide
+    from sglang_dsv41.pd_handshake.pairing import PDSide
 
     with pytest.raises(ValueError, match="needs spec_layout"):
         PDSide(attn_tp_size=4, dspark=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vision_cp"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 
 from dsv41_cp_harness import PeerShardsGroup, cp_scope, extend_batch  # noqa: E402
 from sglang.srt.layers.cp.utils import is_cp_active  # noqa: E402

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, MooncakeKVManager
 
-from sglang_dsv41.core.kv_staging import Grant, encode_grant, find_grant
+from sglang_dsv41.mooncake_nvlink.kv_staging.slots import Grant, encode_grant, find_grant
 
 
 def _registration_message() -> list[bytes]:

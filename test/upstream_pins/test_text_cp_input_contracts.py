@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "vision_cp"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 
 from dsv41_cp_harness import (  # noqa: E402
     PeerShardsGroup,

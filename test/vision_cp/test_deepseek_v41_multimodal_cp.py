@@ -247,9 +247,9 @@ def _owner_scenarios():
 
 def _owner_rank_body(world_rank: int, groups: dict):
     from sglang.srt.runtime_context import get_parallel
-    from sglang_dsv41.core.owner_routing import ENV_MODE
-    from sglang_dsv41.hooks import owner_broadcast
-    from sglang_dsv41.hooks.owner_broadcast import attach_owner_path
+    from sglang_dsv41.owner_broadcast.routing import ENV_MODE
+    from sglang_dsv41.owner_broadcast import hooks
+    from sglang_dsv41.owner_broadcast.hooks import attach_owner_path
 
     # The protocol on every image chunk: these chunks are too small for the
     # default routing to think the owner path worth its rounds.
@@ -274,7 +274,7 @@ def _owner_rank_body(world_rank: int, groups: dict):
                 attach_owner_path(model)
             assert model.mm_owner_group is not None and model.mm_owner_group.world_size == size
             # a router in this process: OWN-ADMIT builds request tables at admission
-            assert owner_broadcast._routes_in_process
+            assert hooks.routes_in_process
 
             assert run_extend_cp(model, batch, size, rank, group) == "logits"
             (logits,) = model.logits_calls

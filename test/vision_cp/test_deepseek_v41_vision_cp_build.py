@@ -175,7 +175,7 @@ def test_a_constructor_that_never_builds_the_tower_fails_closed():
 
     from sglang.srt import runtime_context
     from sglang.srt.models import deepseek_v4
-    from sglang_dsv41.hooks.vision_cp_runtime import around_deepseek_v4_init
+    from sglang_dsv41.vision_cp.hooks_model import around_deepseek_v4_init
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""sglang_dsv41.core.vision_cp_runtime on its own (no sglang import): the platform
+"""sglang_dsv41.vision_cp.runtime on its own (no sglang import): the platform
 rule, the single-rank CP view and the scoped lift around a constructor."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_dsv41.core.vision_cp_runtime import (
+from sglang_dsv41.vision_cp.runtime import (
     CPGuardLift,
     SingleRankCPView,
     VisionCPBuildRefused,

@@ -1,1 +1,0 @@
-"""Plain logic with no dependency on sglang internals; hooks adapt sglang call sites to it."""

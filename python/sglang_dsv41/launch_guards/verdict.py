@@ -1,0 +1,26 @@
+"""The launch guard's verdict as it travels: left on the ServerArgs record, published as a metric.
+
+Plain: `plan` reads the record, the schedulers publish it.
+"""
+
+from __future__ import annotations
+
+from sglang_dsv41 import metrics
+from sglang_dsv41.launch_guards.rules import GuardAction
+
+# Where the guard leaves its verdict on the ServerArgs record, for `sglang-dsv41 plan`
+# and for the schedulers (the record reaches them pickled, bookkeeping included).
+VERDICT_ATTRIBUTE = "_sglang_dsv41_launch_guard"
+
+
+def publish_verdict(server_args) -> None:
+    """Scheduler side: export the verdict the guard left on this server's arguments.
+
+    The launcher, where the guard runs, cannot export metrics (sglang imports
+    prometheus_client there too early); its schedulers can. Nothing is published
+    when the record carries no verdict (the launcher ran without the plugin).
+    """
+    verdict = getattr(server_args, VERDICT_ATTRIBUTE, None)
+    if verdict is None:
+        return
+    metrics.launch_guard_verdict(None if verdict.action is GuardAction.NONE else verdict.rule)

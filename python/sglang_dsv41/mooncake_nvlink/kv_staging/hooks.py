@@ -1,0 +1,668 @@
+"""Adapter: KV staging (opt-in) inside sglang's Mooncake PD managers.
+
+Design: docs/design/kv_staging.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from sglang_dsv41 import metrics
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopy, BatchCopyError
+from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
+    MODE_PEER,
+    FALLBACK_BUSY,
+    FALLBACK_SMALL,
+    GrantState,
+    LocalBuffers,
+    SlotPool,
+    StagedReceiver,
+    StagedSender,
+    StagingConfig,
+    StagingConfigError,
+    StagingFrameError,
+    StagingRefused,
+    STAGING_ENV,
+    encode_grant,
+    find_grant,
+    parse_ack,
+    staging_config,
+)
+from sglang_dsv41.mooncake_nvlink.kv_staging import held
+from sglang_dsv41.mooncake_nvlink.state import routing_state
+from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
+    FALLBACK_NO_PEER_MAP,
+    FALLBACK_PEER_MAP_FAILED,
+    BoundLayout,
+    PagedLayout,
+    PeerMap,
+    PeerMapError,
+    PeerTarget,
+    PeerTransport,
+    encode_peer_map,
+    bind_layout,
+    find_peer_map,
+    send_paged_batch,
+    send_peer_batch,
+)
+
+logger = logging.getLogger("sglang_dsv41.mooncake")
+
+GRANT_ATTR = "_dsv41_staging_grant"
+PEER_MAP_ATTR = "_dsv41_peer_map"
+_STATE_ATTR = "_dsv41_kv_staging"
+FALLBACK_NO_SIDE_CHANNEL = "no_side_channel"
+
+# Tests on machines without a GPU inject a copier and a peer transport here;
+# None = CUDA on the manager's GPU.
+_injected_copier: Optional[BatchCopy] = None
+_injected_transport: Optional[PeerTransport] = None
+
+
+def set_batch_copy(copier: Optional[BatchCopy]) -> None:
+    """Use ``copier`` for staging buffers and copies in managers built from now on."""
+    global _injected_copier
+    _injected_copier = copier
+
+
+def set_peer_transport(transport: Optional[PeerTransport]) -> None:
+    """Use ``transport`` for peer maps and peer writes in managers built from now on."""
+    global _injected_transport
+    _injected_transport = transport
+
+
+@dataclass
+class StagingState:
+    config: StagingConfig
+    copier: BatchCopy
+    pool: Optional[SlotPool] = None  # decode
+    buffers: Optional[LocalBuffers] = None  # prefill
+    sender: Optional[StagedSender] = None
+    receiver: Optional[StagedReceiver] = None
+    grants: dict = field(default_factory=dict)  # (session, slot, lease) -> GrantState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    transport: Optional[PeerTransport] = None  # peer mode, both sides
+    exported: Optional[PeerMap] = None  # peer mode, decode
+    targets: dict = field(default_factory=dict)  # peer mode, prefill: session -> (PeerMap, target or None)
+    layouts: dict = field(default_factory=dict)  # peer mode, prefill: kind of send call -> _LearntCall
+
+
+def state_of(manager) -> Optional[StagingState]:
+    state = manager.__dict__.get(_STATE_ATTR)
+    return state if isinstance(state, StagingState) else None
+
+
+def _role(manager) -> str:
+    mode = getattr(manager, "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode) or "")
+
+
+def _copier_for(manager) -> BatchCopy:
+    if _injected_copier is not None:
+        return _injected_copier
+    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
+
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    copier = batch_copy_for(gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None)
+    if copier.backend != "triton":
+        # One copy per block costs what the engine's per-block cost does: staging
+        # would only add work, so refuse rather than run it that way.
+        raise BatchCopyError(
+            "the batched copy needs Triton, which is not usable here "
+            f"({getattr(copier, 'fallback_reason', None) or 'no reason given'})"
+        )
+    return copier
+
+
+def _transport_for(manager, copier: BatchCopy) -> PeerTransport:
+    if _injected_transport is not None:
+        return _injected_transport
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport
+
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    return CudaIpcTransport(copier, gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else 0)
+
+
+def _set_up_peer_mode(manager, role: str, config: StagingConfig, device_regions) -> StagingState:
+    copier = _copier_for(manager)
+    state = StagingState(config, copier, transport=_transport_for(manager, copier))
+    if role == "decode":
+        regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
+        state.exported = state.transport.export(regions)
+    return state
+
+
+def staging_region(manager, device_regions=()) -> Optional[tuple[int, int]]:
+    """Set up this manager's staging once (when staging is on); the region to register, if any.
+
+    ``device_regions`` are the regions registered with the engine: in peer
+    mode the decode side exports them. Fails closed: staging asked for but
+    impossible stops the manager's construction with a message naming the
+    setting.
+    """
+    state = state_of(manager)
+    if state is None:
+        try:
+            config = staging_config()
+        except StagingConfigError as exc:
+            raise RuntimeError(f"[sglang-dsv41] KV staging: {exc}") from exc
+        if config is None:
+            return None
+        role = _role(manager)
+        if role not in ("prefill", "decode"):
+            return None
+        if config.mode == MODE_PEER:
+            try:
+                state = _set_up_peer_mode(manager, role, config, device_regions)
+            except (BatchCopyError, PeerMapError, RuntimeError, OSError) as exc:
+                raise RuntimeError(
+                    f"[sglang-dsv41] {STAGING_ENV}=peer but the {role} side cannot set up peer "
+                    f"writes: {exc}. Use {STAGING_ENV}=1 or unset it, or fix the cause."
+                ) from exc
+            manager.__dict__[_STATE_ATTR] = state
+            slower = getattr(state.copier, "param_reason", None) or getattr(state.copier, "native_reason", None)
+            logger.info(
+                "[sglang-dsv41] KV peer writes on (%s side, %s, paged copies launched: %s%s): %s",
+                role, state.transport.kind, getattr(state.copier, "launcher", "?"),
+                f", not the fastest way: {slower}" if slower else "",
+                f"{len(state.exported.regions)} regions in {len(state.exported.handles)} allocations "
+                "exported" if state.exported is not None else
+                f"batches of {config.min_blocks}+ device blocks written straight into the decode's KV",
+            )
+            return None
+        try:
+            copier = _copier_for(manager)
+            state = StagingState(config, copier)
+            if role == "decode":
+                state.pool = SlotPool(copier, config)
+            else:
+                state.buffers = LocalBuffers(copier, config)
+                state.sender = StagedSender(copier, state.buffers, config)
+        except (BatchCopyError, RuntimeError, MemoryError) as exc:
+            raise RuntimeError(
+                f"[sglang-dsv41] {STAGING_ENV}=1 but the {role} side cannot set up its staging "
+                f"memory ({config.slots} x {config.slot_bytes >> 20} MiB): {exc}. Unset "
+                f"{STAGING_ENV} or fix the cause."
+            ) from exc
+        manager.__dict__[_STATE_ATTR] = state
+        logger.info(
+            "[sglang-dsv41] KV staging on (%s side, %s copies): %d x %d MiB %s",
+            role, copier.backend, config.slots, config.slot_bytes >> 20,
+            "slots for prefill peers" if role == "decode" else "gather buffers",
+        )
+    owner = state.pool or state.buffers
+    return owner.region if owner is not None else None
+
+
+
+_warned_without_nvlink = False
+
+
+def warn_without_nvlink_intra() -> None:
+    """Staging asked for on a transport it does not apply to: say so once per process."""
+    global _warned_without_nvlink
+    if _warned_without_nvlink or (os.environ.get(STAGING_ENV) or "").strip() in ("", "0"):
+        return
+    _warned_without_nvlink = True
+    logger.warning(
+        "[sglang-dsv41] %s is set but Mooncake's intra-node NVLink transport is not active "
+        "(MC_INTRANODE_NVLINK / MOONCAKE_PROTOCOL=nvlink_intra): KV staging has no effect",
+        STAGING_ENV,
+    )
+
+
+# --- grants -------------------------------------------------------------------------
+
+
+def around_send_bootstrap_message(original, self, *, bootstrap_info, message, operation):
+    """AROUND CommonKVReceiver._send_bootstrap_message: the registration carries the peer's grant."""
+    state = state_of(getattr(self, "kv_mgr", None)) if operation == "_register_kv_args" else None
+    if state is not None and state.exported is not None and not bootstrap_info.get("is_dummy"):
+        metrics.count_kv_staging("kv_staging_grants", "peer_map")
+        message = list(message) + encode_peer_map(state.exported)
+    elif state is not None and state.pool is not None and not bootstrap_info.get("is_dummy"):
+        peer = f"{bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')}"
+        grant = state.pool.lease(peer)
+        if grant is None:
+            metrics.count_kv_staging("kv_staging_grants", "pool_full")
+            logger.warning(
+                "[sglang-dsv41] KV staging: every one of the %d slots is leased; prefill peer %s "
+                "uses the direct path", state.config.slots, peer,
+            )
+        else:
+            metrics.count_kv_staging("kv_staging_grants", "granted")
+            message = list(message) + encode_grant(grant)
+    return original(self, bootstrap_info=bootstrap_info, message=message, operation=operation)
+
+
+def around_register_info_from_zmq(original, cls, msg):
+    """AROUND KVArgsRegisterInfo.from_zmq: keep a decode peer's grant on its registration info."""
+    info = original(cls, msg)
+    try:
+        grant = find_grant(msg)
+    except StagingFrameError as exc:
+        logger.error("[sglang-dsv41] KV staging: ignoring a malformed grant: %s", exc)
+        grant = None
+    if grant is not None:
+        info.__dict__[GRANT_ATTR] = grant
+    try:
+        peer = find_peer_map(msg)
+    except PeerMapError as exc:
+        logger.error("[sglang-dsv41] KV peer writes: ignoring a malformed peer map: %s", exc)
+        peer = None
+    if peer is not None:
+        info.__dict__[PEER_MAP_ATTR] = peer
+    return info
+
+
+def _grant_state(manager, state: StagingState, session_id: str) -> Optional[GrantState]:
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    grant = getattr(table.get(session_id), GRANT_ATTR, None)
+    if grant is None:
+        return None
+    key = (session_id, grant.slot_ptr, grant.lease)
+    with state.lock:
+        found = state.grants.get(key)
+        if found is None:
+            found = state.grants[key] = GrantState(grant)
+    return found
+
+
+# --- acknowledgements ------------------------------------------------------------------
+
+_inbox = threading.local()
+
+
+def _tcp(ip: str) -> str:
+    return f"tcp://[{ip}]" if ":" in ip else f"tcp://{ip}"
+
+
+def _ack_inbox(manager):
+    """This thread's socket for acknowledgements: (socket, address)."""
+    sock = getattr(_inbox, "sock", None)
+    if sock is None:
+        import zmq
+
+        ip = getattr(manager, "local_ip", None) or "127.0.0.1"
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        if ":" in ip:
+            sock.setsockopt(zmq.IPV6, 1)
+        port = sock.bind_to_random_port(_tcp(ip))
+        _inbox.sock, _inbox.address = sock, f"{_tcp(ip)}:{port}"
+    return sock, _inbox.address
+
+
+def _await_ack(sock) -> Callable[[int, float], Optional[str]]:
+    def wait(nonce: int, timeout_s: float) -> Optional[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                raise TimeoutError
+            try:
+                got, refusal = parse_ack(sock.recv_multipart())
+            except StagingFrameError:
+                continue
+            if got == nonce:
+                return refusal
+            # an acknowledgement of an earlier batch that had timed out: stale
+
+    return wait
+
+
+# --- prefill: one device batch ------------------------------------------------------------
+
+
+def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optional[PeerTarget], Optional[str]]:
+    """The opened peer map of ``session_id``'s latest registration, or (None, why not)."""
+    table = getattr(manager, "decode_kv_args_table", None) or {}
+    peer = getattr(table.get(session_id), PEER_MAP_ATTR, None)
+    if peer is None:
+        return None, FALLBACK_NO_PEER_MAP
+    with state.lock:
+        known = state.targets.get(session_id)
+        if known is not None and known[0] is peer:
+            return known[1], (None if known[1] is not None else FALLBACK_PEER_MAP_FAILED)
+        if known is not None and known[1] is not None:
+            known[1].retire()  # the decode registered again (restarted): drop its old mappings
+        try:
+            target = state.transport.open(peer)
+            logger.info(
+                "[sglang-dsv41] KV peer writes: mapped decode session %s (%d regions in %d "
+                "allocations, %s)%s", session_id, len(peer.regions), len(peer.handles), peer.kind,
+                "; its previous mapping is released once idle" if known is not None else "",
+            )
+        except (PeerMapError, OSError) as exc:
+            logger.error(
+                "[sglang-dsv41] KV peer writes: cannot map decode session %s (%s): %s; its batches "
+                "go the direct way", session_id, peer.kind, exc,
+            )
+            target = None
+        state.targets[session_id] = (peer, target)
+    return target, (None if target is not None else FALLBACK_PEER_MAP_FAILED)
+
+
+def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
+    target, why_not = _peer_target(manager, state, session_id)
+    if target is None:
+        metrics.count_kv_staging("kv_staging_batches", why_not)
+        return write(blocks)
+    try:
+        outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
+    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
+        metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s", session_id, type(exc).__name__, exc)
+        return -1
+    metrics.count_kv_staging("kv_staging_batches", outcome.fallback or "peer")
+    return outcome.rc
+
+
+def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
+    """Send ``blocks`` (device-sourced) as a peer write, through the peer's slot, or directly."""
+    state = state_of(manager)
+    if state is None or (state.sender is None and state.transport is None):
+        return write(blocks)
+    if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
+        metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
+        return write(blocks)
+    if state.transport is not None:
+        return _send_peer(manager, state, session_id, blocks, write)
+    grant_state = _grant_state(manager, state, session_id)
+    try:
+        channel = side_channel() if grant_state is not None else None
+    except Exception as exc:  # no decode endpoint known for this session
+        logger.debug("KV staging: no side channel for %s: %s", session_id, exc)
+        metrics.count_kv_staging("kv_staging_batches", FALLBACK_NO_SIDE_CHANNEL)
+        return write(blocks)
+    try:
+        sock, address = _ack_inbox(manager) if grant_state is not None else (None, "")
+        outcome = state.sender.send(
+            blocks, grant_state, channel.room if channel else 0, address, write,
+            channel.send if channel else None, _await_ack(sock) if sock else None,
+        )
+    except StagingRefused as exc:
+        metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV staging: batch to %s failed: %s", session_id, exc)
+        return -1
+    except Exception as exc:
+        metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error(
+            "[sglang-dsv41] KV staging: batch to %s failed: %s: %s",
+            session_id, type(exc).__name__, exc,
+        )
+        return -1
+    path = outcome.fallback or ("staged" if outcome.rc == 0 else "failed")
+    metrics.count_kv_staging("kv_staging_batches", path)
+    if path == FALLBACK_BUSY:
+        logger.debug("KV staging: slot or gather buffer busy for %s; direct path", session_id)
+    return outcome.rc
+
+
+# --- prefill: one transfer call from page lists (peer mode) --------------------------------
+
+_capture = threading.local()
+_ONE_PAGE = np.zeros(1, dtype=np.int32)
+
+
+def captured(transfer_blocks) -> bool:
+    """During a layout capture on this thread: keep the blocks, send nothing (True)."""
+    sink = getattr(_capture, "sink", None)
+    if sink is None:
+        return False
+    sink.extend(transfer_blocks)
+    _capture.calls += 1
+    return True
+
+
+def capture_layout(original, manager, call: dict) -> tuple[int, Optional[list]]:
+    """Run upstream's call for page 0 to page 0 with the engine left out: its (rc, blocks).
+
+    Upstream decides which local buffer pairs with which peer buffer (pipeline
+    stages, layer ids, elided entries, its layout checks); for one page each
+    block it builds is one pair's (page-0 source, page-0 destination, bytes per
+    page). Nothing is transferred: the transfer hook sees the capture first.
+    Blocks None: upstream did not build the one batch this relies on.
+    """
+    sink: list = []
+    _capture.sink, _capture.calls = sink, 0
+    try:
+        rc = original(manager, **{**call, "prefill_data_indices": _ONE_PAGE, "dst_data_indices": _ONE_PAGE})
+        calls = _capture.calls
+    finally:
+        _capture.sink = None
+    return rc, (sink if calls == 1 else None)
+
+
+_MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past it, start over
+
+
+@dataclass
+class _LearntCall:
+    layout: PagedLayout
+    # (the peer map it was last checked against, the bound layout or None when it cannot
+    # take the page path): replaced as one value, transfer threads share it
+    checked: Optional[tuple[PeerTarget, Optional[BoundLayout]]] = None
+
+
+def _layout_key(session_id, state_type, force_flat, *lists) -> tuple:
+    """What a call's pairing depends on: the session, the state type, flat or not, and the
+    pointer, length and layer-id lists (as tuples: sglang may change a list in place)."""
+    return (session_id, state_type, force_flat, *[None if v is None else tuple(v) for v in lists])
+
+
+def _paged_layout(original, manager, state: StagingState, key: tuple, call_as_given) -> tuple[int, Optional[_LearntCall]]:
+    """(rc, the call's learnt layout): learnt once per kind of call (``key``, ``_layout_key``).
+
+    The pairing depends only on the session, the state type and the pointer,
+    length and layer-id lists (and the manager's fixed layout), never on the
+    pages: so a decode that registers again with other buffers is learnt anew.
+    ``call_as_given()``: upstream's keyword arguments, built only to learn.
+    rc != 0: upstream refused the call.
+    """
+    known = state.layouts.get(key)
+    if known is not None:
+        return 0, known
+    rc, entries = capture_layout(original, manager, call_as_given())
+    if rc != 0 or not entries:
+        return rc, None
+    learnt = _LearntCall(PagedLayout.of(entries))
+    with state.lock:
+        if len(state.layouts) >= _MAX_LAYOUTS:
+            state.layouts.clear()
+        state.layouts[key] = learnt
+    return 0, learnt
+
+
+def _layers_on_executor(manager) -> bool:
+    # Upstream sends layer by layer on its thread pool then: a capture on this thread would not see them.
+    return bool(getattr(manager, "enable_custom_mem_pool", False)) and (
+        getattr(manager, "custom_mem_pool_type", None) != "INTRA_NODE_NVLINK")
+
+
+def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_ptrs, dst_data_ptrs, item_lens,
+                                prefill_data_indices, dst_data_indices, executor, state_type=None,
+                                force_flat=False, src_layer_ids=None, dst_layer_ids=None,
+                                dst_device_data_indices=None, dst_device_data_ptrs=None, dst_item_lens=None,
+                                bootstrap_room=None):
+    """AROUND MooncakeKVManager._send_kvcache_generic: in peer mode, one peer write from the page lists.
+
+    Upstream turns the page lists into one block per page run and buffer (a
+    thousand for a long fragmented request) before the transfer call; here the
+    call's layout is learnt from upstream itself (a dry run for one page), and
+    the pages go as one batched copy built in NumPy. Anything the page path
+    does not cover (another mode, no peer map, separate destination pages per
+    buffer, few blocks, sources outside device memory, destinations outside
+    the map) is upstream's call as it was, through the block path. A held
+    send's pages are checked when the held writes are made: one outside its
+    buffers fails the request there (its block path is gone by then).
+    """
+    def call_as_given() -> dict:  # built only where upstream's own code runs: a send path hot per request
+        return dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
+                    dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
+                    dst_data_indices=dst_data_indices, executor=executor, state_type=state_type,
+                    force_flat=force_flat, src_layer_ids=src_layer_ids, dst_layer_ids=dst_layer_ids,
+                    dst_device_data_indices=dst_device_data_indices, dst_device_data_ptrs=dst_device_data_ptrs,
+                    dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
+
+    state = state_of(self)
+    if state is None or state.transport is None or dst_device_data_indices is not None or _layers_on_executor(self):
+        return original(self, **call_as_given())
+    routing = routing_state(self)
+    target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
+    if target is None:
+        return original(self, **call_as_given())  # the block path counts why
+    key = _layout_key(mooncake_session_id, state_type, force_flat, src_data_ptrs, dst_data_ptrs, item_lens,
+                      src_layer_ids, dst_layer_ids, dst_item_lens)
+    rc, learnt = _paged_layout(original, self, state, key, call_as_given)
+    if rc != 0:  # upstream refused this call (its layout checks) and has concluded it
+        return rc
+    if learnt is None:  # every entry elided, or not upstream's one-batch path: as it was
+        return original(self, **call_as_given())
+    checked = learnt.checked
+    if checked is None or checked[0] is not target:  # first use, or the decode registered again
+        bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
+        learnt.checked = checked = (target, bound)
+        if why_not is not None:
+            logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
+                        "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
+    bound = checked[1]
+    if bound is None:
+        return original(self, **call_as_given())
+    writes = held.holding()
+    if writes is not None:
+        if writes.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
+            return original(self, **call_as_given())  # pages this layout cannot take: the block path, at once
+        metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+        return 0
+    if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
+        return original(self, **call_as_given())  # too few blocks however the pages run
+    try:
+        outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
+    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
+        metrics.count_kv_staging("kv_staging_batches", "failed")
+        logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
+                     mooncake_session_id, type(exc).__name__, exc)
+        return -1
+    if outcome.fallback is not None:
+        return original(self, **call_as_given())
+    metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+    return 0
+
+
+# --- prefill: a request's last sends held for one write (peer mode) ------------------------
+#
+# Each send call written on its own costs a launch and a synchronize; a request's
+# last chunk makes three or four (its KV, then the state). On a transfer worker
+# thread, the page-path sends of a last chunk are held (``PeerWrites``) and
+# written as one batch before anything can tell the decode, or the prefill's
+# scheduler, that the request is done. Only page-path sends are held: their
+# sources are KV and state pool pages, which stay put until the request is
+# concluded; a block batch may come from a scratch buffer sglang reuses at once
+# (a DCP pack buffer, a staging buffer), so the block path writes at once. The
+# barriers:
+# - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
+#   the room for an abort and before it counts the chunk as drained (the abort
+#   acknowledgement waits for that count);
+# - when a transfer is concluded (success or failure), on this thread: the
+#   status goes out after the bytes. A failed write turns a success into the
+#   request's failure;
+# - when the worker takes its next chunk, anything still held is dropped, never
+#   written late (no path is known to leave writes there; counted if one does).
+# Non-last chunks are written and waited for at once: right after their send
+# returns upstream counts the chunk as drained, and with the decode's deferred KV
+# release an abort is acknowledged on that count, after which the decode reuses
+# the pages. A copy still in flight then (a launch queued behind a long forward
+# kernel) could land in another request's KV, so none is left in flight.
+
+def around_transfer_worker(original, self, queue, *args, **kwargs):
+    """AROUND MooncakeKVManager.transfer_worker: in peer mode, hold a last chunk's sends for one write."""
+    state = state_of(self)
+    if state is None or state.transport is None:
+        return original(self, queue, *args, **kwargs)
+    return original(self, held.ChunkAwareQueue(queue), *args, **kwargs)
+
+
+def around_maybe_send_extra(original, self, *args, **kwargs):
+    """AROUND MooncakeKVManager.maybe_send_extra: the held KV and state sends land before it returns."""
+    if held.holding() is None:
+        return original(self, *args, **kwargs)
+    try:
+        rc = original(self, *args, **kwargs)
+    except BaseException:
+        held.drop_held("the state sends raised")
+        raise
+    if rc != 0:  # upstream fails the request: nothing more goes into its pages
+        held.drop_held("a state send failed")
+        return rc
+    return -1 if held.flush_held("state sends") is not None else 0
+
+
+def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=None, failure_reason=None):
+    """AROUND CommonKVManager.conclude_transfer: this thread's held writes land before the status."""
+    if held.holding() is not None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Success:
+            failed = held.flush_held("conclusion")
+            if failed is not None:
+                status, failure_reason = KVPoll.Failed, failed
+        else:  # the request failed: its pages are about to be released, write nothing more
+            held.drop_held("the transfer failed")
+    return original(self, bootstrap_room=bootstrap_room, status=status, targets=targets,
+                    failure_reason=failure_reason)
+
+
+# --- decode: one staged-blocks message -----------------------------------------------------
+
+_ack_sockets: dict = {}
+_ack_lock = threading.Lock()
+
+
+def _send_ack(address: str, frames) -> None:
+    import zmq
+
+    with _ack_lock:
+        sock = _ack_sockets.get(address)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            if address.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(address)
+            _ack_sockets[address] = sock
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("[sglang-dsv41] KV staging: acknowledgement to %s not sent (peer gone?)",
+                         address)
+
+
+def handle_staged(manager, msg, published: Callable[[], list]) -> None:
+    """Scatter one staged-blocks message and acknowledge it; never raises."""
+    state = state_of(manager)
+    if state is None or state.pool is None:
+        logger.error("[sglang-dsv41] KV staging: a staged-blocks message arrived but this decode "
+                     "side has no slot pool (staging off or in peer mode); dropped (the prefill's "
+                     "transfer times out)")
+        metrics.count_kv_staging("kv_staging_scatters", "refused")
+        return
+    if state.receiver is None:
+        state.receiver = StagedReceiver(state.pool, published(), state.copier)
+    verdict = state.receiver.handle(msg)
+    metrics.count_kv_staging("kv_staging_scatters", "done" if verdict.done else "refused")
+    if not verdict.done:
+        logger.error("[sglang-dsv41] KV staging: refused a staged-blocks message (room %s): %s",
+                     verdict.room, verdict.reason)
+    if verdict.ack is not None and verdict.reply_to:
+        try:
+            _send_ack(verdict.reply_to, verdict.ack)
+        except Exception:
+            logger.exception("[sglang-dsv41] KV staging: acknowledgement failed")

@@ -1,0 +1,99 @@
+"""Every environment variable this package reads, with its default and meaning.
+
+The README's "Runtime switches" table is generated from this list
+(`sglang-dsv41 settings-doc`), and a test checks that the table is current and
+that every variable name the package reads is listed here. Names come from the
+modules that read them, so a rename cannot leave this list behind. Plain data:
+importing this never imports sglang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_dsv41.plugin.pin import ALLOW_DRIFT_ENV
+from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV
+from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
+    ACK_TIMEOUT_ENV,
+    DEFAULT_ACK_TIMEOUT_S,
+    DEFAULT_MIN_BLOCKS,
+    DEFAULT_SLOT_MB,
+    DEFAULT_SLOTS,
+    MIN_BLOCKS_ENV,
+    SLOT_MB_ENV,
+    SLOTS_ENV,
+    STAGING_ENV,
+)
+from sglang_dsv41.mooncake_nvlink.routing import NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV
+from sglang_dsv41.owner_broadcast.routing import ENV_MIN_SAVING, ENV_MODE, ENV_PER_IMAGE_COST
+
+
+@dataclass(frozen=True)
+class Setting:
+    names: tuple[str, ...]
+    default: str
+    meaning: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        names=(ALLOW_DRIFT_ENV,),
+        default="unset",
+        meaning='`1`: run even when the installed sglang or a patched function differs from the pin: one loud warning per patch instead of exiting (for investigating an upgrade only)',
+    ),
+    Setting(
+        names=(ENV_MODE,),
+        default="guarded",
+        meaning="vision owner-broadcast where the TP or CP group replicates work; each scheduler logs the decision once. Every image chunk is routed from its metadata, the same way on every rank: spans the group already holds (`known`), and chunks where sharing the encode would not save time (one image, tiny images, too little work to spread), run stock sglang's path; the rest go through the owner protocol, with its agreement. `guarded` (default; also `1`): an encoder failure on one rank in any chunk that encodes is the same error on every rank (that request fails, the server stays up): stock-routed encodes run inside a status-only session (two status rounds, about +0.5 ms per such chunk on two H200s). Only `known` chunks run with no collective: a rank that lost a known span re-encodes it alone, and if that fails, it fails alone, as in stock sglang. `auto`: the same routes without the status-only session, for the last half millisecond: a rank whose encoder fails on any stock-routed chunk fails alone (its scheduler exits and the server goes down). `always`: every image chunk through the protocol (every chunk guarded by the agreement, known ones included, at a few status rounds each). `0`: off (every rank encodes every image, as stock sglang does)",
+    ),
+    Setting(
+        names=(ENV_PER_IMAGE_COST, ENV_MIN_SAVING),
+        default="4096, 4096",
+        meaning="the `guarded`/`auto` routing's cost model, in ViT patches: an image costs its patches plus the per-image cost (default 4096); the protocol is taken when it takes at least the minimum saving (default 4096) off the busiest rank's encoder work; the protocol spreads the images over the ranks by the same cost, and sends an image some rank already holds from that rank's cache. Defaults come from the H200 runs in BENCHMARKS.md; a bad value stops the model build naming the variable",
+    ),
+    Setting(
+        names=(*NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV),
+        default="unset (Mooncake's own default transport)",
+        meaning="`MC_INTRANODE_NVLINK` or `MC_INTRA_NVLINK` set, or `MOONCAKE_PROTOCOL=nvlink_intra`: Mooncake's intra-node NVLink transport (read, not set, by this package): device memory is registered with the engine, host-resident blocks (aux, some state) travel on the ordered zmq side channel",
+    ),
+    Setting(
+        names=(STAGING_ENV,),
+        default="0",
+        meaning="Set on both the prefill and the decode servers, with Mooncake's intra-node NVLink transport, to move a transfer batch of many blocks (a DeepSeek-V4.1 request is hundreds) without the engine's per-block cost. `peer`: peer writes. The decode side exports its engine-registered KV and state memory as CUDA IPC handles in its registration; the prefill maps them once and writes each KV or state send from its page lists (other batches of sglang's blocks likewise) with one batched copy straight into the decode's pages; a request's last chunk (its KV and state sends) is held and written as one copy. Every write is synchronized before the status that completes the request is sent. No extra memory, no GPU work on the decode side. A map that cannot be opened (another host or IPC namespace) or a destination outside it sends the batch the direct way, counted; a held send with pages outside its buffers fails the request instead (nothing of its write lands). `1`: slot staging. The batch is gathered on the prefill GPU into one registered buffer, written with one engine write into a slot the decode side leased to that prefill peer, and scattered on the decode GPU before the decode side acknowledges; costs slots x slot size of GPU memory on each side. In both modes a failed copy, refusal or missing acknowledgement fails that request's transfer, as an engine error would, and every batch that goes the direct way is counted in `sglang_dsv41_kv_staging_batches_total` with its reason. Without the intra-node NVLink transport it has no effect (one warning). Any value but unset/`0`/`1`/`peer`, or a side that cannot set itself up (no Triton, memory that cannot be exported), stops the server when its transfer manager starts. **Experimental**: measured only with prefill and decode sharing one H200 (BENCHMARKS.md, KV staging)",
+    ),
+    Setting(
+        names=(SLOTS_ENV, SLOT_MB_ENV, MIN_BLOCKS_ENV, ACK_TIMEOUT_ENV),
+        default=f"{DEFAULT_SLOTS}, {DEFAULT_SLOT_MB}, {DEFAULT_MIN_BLOCKS}, {DEFAULT_ACK_TIMEOUT_S:g}",
+        meaning="KV staging's sizes: slots per side (decode: one per prefill peer rank; prefill: transfers in flight at once), MiB per slot (a batch larger than a slot goes in several staged writes), the fewest blocks a batch needs to be staged or peer-written (default 128 for `1`, 8 for `peer`), and the seconds the prefill waits for the decode's acknowledgement (after a timeout that slot is retired for the prefill process's lifetime)",
+    ),
+    Setting(
+        names=(CP_BCG_ENV,),
+        default="0",
+        meaning="`1`: DeepSeek-V4 text prefill with interleave CP (`--enable-prefill-cp --cp-strategy interleave`, attention CP = TP, PP 1, no DP attention, EP 1 or TP, no decoder SWA bounded replay, no vision tower unless `--language-model-only`) runs in the breakable prefill CUDA graph instead of eagerly; the resolved `cuda_graph_config.prefill.backend` becomes `breakable` unless set explicitly. Unset or `0` (default): stock behaviour. Any other value stops the server at plugin load. **Unverified on GPU**: capture and replay have not run; until `deploy/b300-build/verify-cp-bcg.sh MODEL_PATH [TP]` has passed on a B300 node, keep it off in production. To report a run, attach the script's output and its `verify-cp-bcg-result.json` (tokens equal, TTFT ratio) together with the image tag and TP to an issue",
+    ),
+    Setting(
+        names=("SGLANG_PLUGINS",),
+        default="unset (every installed plugin)",
+        meaning="sglang's own plugin filter: it must include `dsv41` when set (`doctor` checks)",
+    ),
+)
+
+BEGIN = "<!-- runtime-switches: generated by `sglang-dsv41 settings-doc`; edit python/sglang_dsv41/settings.py -->"
+END = "<!-- runtime-switches: end -->"
+
+
+def render_table() -> str:
+    lines = [BEGIN, "", "| variable | default | effect |", "|---|---|---|"]
+    for setting in SETTINGS:
+        names = ", ".join(f"`{n}`" for n in setting.names)
+        lines.append(f"| {names} | {setting.default} | {setting.meaning} |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def replace_table(readme_text: str) -> str:
+    """The README text with its generated table replaced by the current one."""
+    if BEGIN not in readme_text or END not in readme_text:
+        raise ValueError("it has no generated runtime-switches table (the begin and end markers)")
+    start, end = readme_text.index(BEGIN), readme_text.index(END) + len(END)
+    return readme_text[:start] + render_table() + readme_text[end:]

@@ -1,0 +1,337 @@
+"""``sglang-dsv41 upgrade-check``: what a candidate sglang release changes under our patches.
+
+The candidate (a wheel, a folder holding the ``sglang`` package, or a version
+that ``pip download`` fetches) is read as source, never imported, and every
+patch-table entry and pinned internal is fingerprinted in it with
+``fingerprint.fingerprint_of``, the function the load-time check uses. An entry
+is ``same`` when the loader would accept the candidate for it, ``DRIFT`` when its
+fingerprint differs (the reasons name the parts: signature, body, re-bound,
+name now defined upstream, ...), ``GONE`` when its target no longer exists.
+Each drifted entry comes with a unified diff of what its fingerprint covers,
+pinned release against candidate.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sglang_dsv41.plugin import fingerprint as fp
+from sglang_dsv41.plugin.pin import PINNED_SGLANG_VERSION
+
+SAME, DRIFT, GONE = "same", "DRIFT", "GONE"
+
+_VERSION = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
+LATEST = "latest"
+
+
+class BadInput(Exception):
+    """Input upgrade-check cannot read; the message is the one line it prints."""
+
+
+# ---------------------------------------------------------------- opening a candidate
+
+
+def _folder_tree(path: Path) -> fp.FolderTree:
+    # Accept the folder holding sglang/ (site-packages, an unpacked wheel), the
+    # sglang package folder itself, or a source checkout (python/sglang).
+    for root in (path, path.parent if path.name == "sglang" else None, path / "python"):
+        if root is not None and (root / "sglang" / "__init__.py").is_file():
+            return fp.FolderTree(root)
+    raise BadInput(f"{path}: no sglang package inside (expected sglang/__init__.py)")
+
+
+def _wheel_tree(path: Path) -> fp.WheelTree:
+    if not zipfile.is_zipfile(path):
+        raise BadInput(f"{path}: not a wheel (not a zip file)")
+    try:
+        tree = fp.WheelTree(path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise BadInput(f"{path}: cannot read the wheel: {exc}") from None
+    if tree.text("sglang/__init__.py") is None:
+        raise BadInput(f"{path}: no sglang package inside the wheel")
+    return tree
+
+
+def pip_download(version: str, dest: Path, timeout_s: float) -> Path:
+    """``pip download --no-deps`` one sglang wheel into ``dest``; the wheel's path."""
+    requirement = "sglang" if version == LATEST else f"sglang=={version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "-q", "-d", str(dest), requirement]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BadInput(f"pip download {requirement}: no answer within {timeout_s:g} s") from None
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
+        why = (errors or lines or [f"exit status {proc.returncode}"])[-1]
+        raise BadInput(f"pip download {requirement} failed: {why}")
+    wheels = sorted(dest.glob("sglang-*.whl"))
+    if not wheels:
+        raise BadInput(f"pip download {requirement} produced no sglang wheel in {dest}")
+    return wheels[-1]
+
+
+def open_tree(spec: str, workdir: Path, timeout_s: float = 600) -> fp.SourceTree:
+    """A source tree from a wheel path, a folder, or a version to download."""
+    path = Path(spec)
+    if path.is_dir():
+        return _folder_tree(path)
+    if path.is_file():
+        return _wheel_tree(path)
+    if spec == LATEST or _VERSION.match(spec):
+        dest = workdir / f"download-{len(list(workdir.iterdir()))}"
+        dest.mkdir()
+        tree = _wheel_tree(pip_download(spec, dest, timeout_s))
+        tree.label = f"{tree.path.name}, pip download of {'the newest sglang' if spec == LATEST else 'sglang==' + spec}"
+        return tree
+    raise BadInput(f"{spec}: no such file or folder, and not a version number")
+
+
+def describe(tree: fp.SourceTree) -> dict:
+    return {"version": tree.version() or "unknown", "source": tree.label}
+
+
+# ---------------------------------------------------------------- comparing one entry
+
+_REASONS = {
+    "signature": "signature",
+    "code": "body",
+    "binding": "re-bound",
+    "decorators": "decorators",
+    "absent": "name now defined upstream",
+    "value": "value",
+}
+
+
+@dataclass
+class Finding:
+    id: str
+    target: str
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    depends_on: str = "source"
+    diff: str = ""
+    note: str = ""  # used_by, for an internal
+
+
+def _reasons(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    out = []
+    order = ["signature", "shape", "decorators", "code", "binding", "absent", "value"]
+    keys = set(before) | set(after)
+    for key in sorted(keys, key=lambda k: (order.index(k) if k in order else len(order), k)):
+        a, b = before.get(key), after.get(key)
+        if a == b:
+            continue
+        if key == "shape":
+            out.append(f"now {b} (was {a})")
+        elif key.startswith("relies_on:"):
+            method = key.split(":", 1)[1]
+            state = "gone" if b == fp.MISSING else "now defined" if a == fp.MISSING else "changed"
+            out.append(f"relied-on {method} {state}")
+        else:
+            out.append(_REASONS.get(key, key))
+    return out
+
+
+def _segment(text: str, node) -> str:
+    lines = text.splitlines()
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "\n".join(lines[start - 1:node.end_lineno])
+
+
+def _header(text: str, node) -> str:
+    """Decorators and the def/class line(s), without the body."""
+    lines = text.splitlines()
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "\n".join(lines[start - 1:node.body[0].lineno - 1]).rstrip()
+
+
+def covered_source(item, tree: fp.SourceTree) -> tuple[str, str]:
+    """(where, text): the source a fingerprint of ``item`` covers, for a diff."""
+    found = fp.resolve(item.fingerprint_target, tree, allow_variable=item.allows_variable)
+    where = f"{found.rel} ({'.'.join(found.qualname)})"
+    if found.node is None:
+        return where, "\n".join(_segment(found.text, s) for s in found.bindings)
+    new_name = item.new_attribute
+    if new_name is not None:
+        parts = [_header(found.text, found.node)]
+        defined = fp.new_name_definition(found, new_name)
+        if defined is not None:
+            parts.append(_segment(found.text, defined))
+        for method in item.relies_on:
+            try:
+                used = fp.resolve(f"{item.fingerprint_target}.{method}", tree)
+            except fp.TargetNotFound:
+                continue
+            parts.append(_segment(used.text, used.node))
+            parts += [_segment(used.text, s) for s in used.rebinds]
+    elif item.depends_on == "signature":
+        parts = [_header(found.text, found.node)]
+    else:
+        parts = [_segment(found.text, found.node)]
+    parts += [_segment(found.text, s) for s in found.rebinds]
+    return where, "\n\n".join(parts)
+
+
+def _diff(item, pinned: fp.SourceTree, candidate: fp.SourceTree, pinned_name: str, cand_name: str) -> str:
+    try:
+        where_a, a = covered_source(item, pinned)
+        where_b, b = covered_source(item, candidate)
+    except fp.TargetNotFound:
+        return ""
+    return "".join(difflib.unified_diff(
+        (a + "\n").splitlines(keepends=True), (b + "\n").splitlines(keepends=True),
+        fromfile=f"sglang {pinned_name} {where_a}", tofile=f"sglang {cand_name} {where_b}", n=2,
+    ))
+
+
+def check_item(item, pinned: fp.SourceTree, candidate: fp.SourceTree, *,
+               use_table: bool, pinned_name: str = "pinned",
+               cand_name: str = "candidate") -> Finding:
+    """Compare one patch or internal between the pinned release and the candidate.
+
+    ``use_table``: the verdict compares the candidate with the fingerprint written
+    in the table (what the loader would compare); otherwise with the pinned tree.
+    """
+    finding = Finding(id=item.id, target=item.fingerprint_target, status=SAME,
+                      depends_on="new attribute" if item.new_attribute else item.depends_on,
+                      note=getattr(item, "used_by", ""))
+    try:
+        after = fp.components_of(item, candidate)
+    except fp.TargetNotFound as exc:
+        finding.status, finding.reasons = GONE, [str(exc)]
+        return finding
+    try:
+        before = fp.components_of(item, pinned)
+    except fp.TargetNotFound as exc:
+        before = {}
+        finding.reasons.append(f"not in the pinned release: {exc}")
+    got = fp.fingerprint_from_components(after)
+    if use_table:
+        expected = fp.Fingerprint(item.signature, item.ast_sha)
+    else:
+        expected = fp.fingerprint_from_components(before) if before else None
+    if got == expected:
+        return finding
+    finding.status = DRIFT
+    finding.reasons += _reasons(before, after) if before else []
+    if not finding.reasons:
+        finding.reasons.append("the table's fingerprint is not the pinned release's (run doctor)")
+    finding.diff = _diff(item, pinned, candidate, pinned_name, cand_name)
+    return finding
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    pinned: dict
+    candidate: dict
+    patches: list[Finding]
+    internals: list[Finding]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(f.status != SAME for f in self.patches + self.internals) else 0
+
+    def counts(self, findings) -> dict[str, int]:
+        return {s: sum(f.status == s for f in findings) for s in (SAME, DRIFT, GONE)}
+
+    def to_json(self) -> dict:
+        return {
+            "pinned": self.pinned,
+            "candidate": self.candidate,
+            "patches": [asdict(f) for f in self.patches],
+            "internals": [asdict(f) for f in self.internals],
+            "summary": {"patches": self.counts(self.patches), "internals": self.counts(self.internals)},
+            "exit_code": self.exit_code,
+        }
+
+    def to_text(self) -> str:
+        out = [f"upgrade-check: sglang {self.pinned['version']} ({self.pinned['source']}) -> "
+               f"sglang {self.candidate['version']} ({self.candidate['source']})", ""]
+        out.append(f"patches ({len(self.patches)}):")
+        for f in self.patches:
+            line = f"  {f.status:<5}  {f.id:<16} {f.target}"
+            if f.status == SAME:
+                line += f"  [{f.depends_on}]"
+            else:
+                line += ": " + "; ".join(f.reasons)
+            out.append(line)
+        changed = [f for f in self.internals if f.status != SAME]
+        out += ["", f"pinned internals ({len(self.internals)}): "
+                    f"{len(self.internals) - len(changed)} same, {len(changed)} changed"]
+        for f in changed:
+            out.append(f"  {f.status:<5}  {f.target}: {'; '.join(f.reasons)}  (used by {f.note})")
+        diffs = [f for f in self.patches + self.internals if f.diff]
+        if diffs:
+            out += ["", "diffs of what each drifted fingerprint covers:"]
+            for f in diffs:
+                out += ["", f"### {f.id}", f.diff.rstrip("\n")]
+        p, i = self.counts(self.patches), self.counts(self.internals)
+        out += ["", f"summary: patches {p[SAME]} same, {p[DRIFT]} DRIFT, {p[GONE]} GONE; "
+                    f"internals {i[SAME]} same, {i[DRIFT]} DRIFT, {i[GONE]} GONE; "
+                    + ("review needed (exit 1)" if self.exit_code else "nothing to review (exit 0)")]
+        return "\n".join(out) + "\n"
+
+
+def build_report(pinned: fp.SourceTree, candidate: fp.SourceTree, *, use_table: bool,
+                 patches=None, internals=None) -> Report:
+    from sglang_dsv41.plugin.table import PATCHES
+    from sglang_dsv41.plugin.internals import INTERNALS
+
+    patches = PATCHES if patches is None else patches
+    internals = INTERNALS if internals is None else internals
+    pinned_info, cand_info = describe(pinned), describe(candidate)
+    names = dict(pinned_name=pinned_info["version"], cand_name=cand_info["version"])
+    return Report(
+        pinned=pinned_info,
+        candidate=cand_info,
+        patches=[check_item(p, pinned, candidate, use_table=use_table, **names) for p in patches],
+        internals=[check_item(i, pinned, candidate, use_table=use_table, **names) for i in internals],
+    )
+
+
+def _default_pinned() -> fp.SourceTree:
+    found = fp.installed_version("sglang")
+    if found is None or found.split("+", 1)[0] != PINNED_SGLANG_VERSION:
+        raise BadInput(
+            f"the installed sglang is {found or 'missing'}, not the pinned {PINNED_SGLANG_VERSION}; "
+            f"pass --pinned <wheel | folder | {PINNED_SGLANG_VERSION}>"
+        )
+    try:
+        return fp.installed_tree()
+    except fp.TargetNotFound as exc:
+        raise BadInput(str(exc)) from None
+
+
+def main(args) -> int:
+    """The CLI handler: 0 nothing drifted, 1 something did, 2 bad input."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="sglang-dsv41-upgrade-") as tmp:
+            workdir = Path(tmp)
+            if args.pinned:
+                pinned, use_table = open_tree(args.pinned, workdir, args.download_timeout), False
+            else:
+                pinned, use_table = _default_pinned(), True
+            candidate = open_tree(args.candidate, workdir, args.download_timeout)
+            report = build_report(pinned, candidate, use_table=use_table)
+    except BadInput as exc:
+        print(f"upgrade-check: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(report.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(report.to_text())
+    return report.exit_code

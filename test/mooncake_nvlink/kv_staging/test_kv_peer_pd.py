@@ -1,0 +1,125 @@
+"""KV peer writes (``SGLANG_DSV41_KV_STAGING=peer``) over a real sglang 0.5.23 Mooncake PD pair.
+
+The PD pair harness (test/mooncake_nvlink/_pd_pair.py): real managers,
+bootstrap server, senders and receivers, real Mooncake engines over tcp,
+buffers in host memory whose "device" classification is injected. Without a
+GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
+decode process): the same registration, map, translation and write path the
+CUDA IPC transport takes. Three runs in parallel:
+- peer: each room is one last chunk, so its KV send (from its page lists,
+  upstream's call learnt by a dry run that reaches no engine) is held and
+  written when the state sends return, byte-exact, and the decode buffers
+  already hold every byte when the Success status is applied; nothing lands
+  outside the rooms' pages. The harness's state is one block from a state
+  kind sglang sends without page lists: it takes the block path, directly;
+- failing: the second peer write fails (room B's, after room A completed):
+  room B fails on both sides, room A stays byte-exact;
+- foreign: the decode's map claims another host: the prefill refuses to open
+  it and every batch takes the direct path, counted, byte-exact;
+- host entry: one KV buffer is host memory, so the page path steps aside and
+  upstream's block list is routed: the device blocks as a peer write, the
+  host ones as frames on the ordered channel, byte-exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from _staging_pairs import assert_exact_and_in_place_at_status, run_pairs
+from _staging_pairs import batches as _batches
+
+pytestmark = pytest.mark.timeout(600)
+
+PEER = {"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "2"}
+RUNS = {
+    "peer": {"env": PEER},
+    # one write per room (its held KV): room A's, then room B's (fails)
+    "failing": {"env": PEER, "fail_peer_write_at": 2},
+    "foreign": {"env": PEER, "foreign_host": True},
+    "host_entry": {"env": PEER, "host_kv_entry": 1},
+}
+
+
+def _cma_usable() -> bool:
+    import ctypes
+
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import IoVec
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    probe = ctypes.c_char()
+    iov = IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 1)
+    child = os.fork()
+    if child == 0:  # a child writes its parent: what the prefill does to the decode
+        os._exit(0 if libc.process_vm_writev(os.getppid(), ctypes.byref(iov), 1, ctypes.byref(iov), 1, 0) == 1 else 1)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+if not _cma_usable():
+    pytest.skip("process_vm_writev between sibling processes is not permitted here", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_pairs(RUNS, tmp_path_factory.mktemp("model"), 21000)
+
+
+def test_peer_writes_are_byte_exact_and_land_before_status(runs):
+    assert_exact_and_in_place_at_status(runs["peer"])
+    r = runs["peer"]
+    # Each KV send from its page lists, held, then written before the status; the one-block
+    # state batch (block path, under MIN_BLOCKS) direct.
+    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
+    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
+    assert r["prefill"]["peer_writes"] == 2
+    assert r["prefill"]["open_peer_maps"] == 1
+    assert r["decode"]["plugin_metrics"]["kv_staging_grants"] == {"peer_map": 1}
+    # no slot pool, no scatter on the decode side
+    assert r["decode"]["scattered"] == 0 and r["decode"]["copies"] == 0
+
+
+def test_the_decode_exports_exactly_its_engine_registered_regions(runs):
+    d = runs["peer"]["decode"]
+    assert sorted(map(tuple, d["exported"])) == sorted(map(tuple, d["registered"]))
+    assert not {tuple(x) for x in d["host_regions"]} & {tuple(x) for x in d["exported"]}
+    # nothing extra registered in peer mode (no slots)
+    assert sorted(map(tuple, d["registered"])) == sorted(map(tuple, d["device_regions"]))
+
+
+def test_a_failed_peer_write_fails_that_request_only(runs):
+    r = runs["failing"]
+    assert r["prefill"]["status_A"] == "success" and r["decode"]["status_A"] == "success"
+    assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
+    assert r["prefill"]["status_B"] == "failed"
+    assert r["decode"]["status_B"] == "failed"
+    # both rooms' KV sends were held (their state blocks direct); room B's write, when its state
+    # sends returned, failed and failed its transfer
+    assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
+    assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 1, "failed": 1}
+
+
+def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
+    r = runs["foreign"]
+    for room in ("A", "B"):
+        assert r["prefill"][f"status_{room}"] == "success"
+        assert r["decode"][f"mismatch_{room}"] == []
+    assert _batches(r, "prefill") == {"peer_map_unusable": 2, "few_blocks": 2}
+    assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
+
+
+def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
+    r = runs["host_entry"]
+    for room in ("A", "B"):
+        assert r["prefill"][f"status_{room}"] == "success" and r["decode"][f"status_{room}"] == "success"
+        assert r["decode"][f"mismatch_{room}"] == []
+    assert r["decode"]["mismatch_at_status_A"] == []
+    # room B's host frames (its kv1 pages among them) are the harness's held-back negative control
+    assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "kv1", "state1"]
+    assert r["decode"]["stray_writes"] == []
+    # the KV call took the block path (written at once: block batches are never held), its
+    # device blocks as one peer write; nothing was held
+    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    assert not r["prefill"]["plugin_metrics"].get("kv_staging_held_writes")
+    assert r["decode"]["host_messages_written"] >= 2

@@ -1,0 +1,242 @@
+"""The DeepSeek-V4.1 request pattern of benchmarks/mooncake_nvlink/mooncake_routing.py.
+
+- Its geometry is sglang's: a fresh interpreter builds sglang 0.5.23's own
+  ``DeepSeekV4TokenToKVPool`` on the CPU for the documented layer plan and reads
+  the buffers PD registers; every constant of the benchmark must match.
+- Its blocks merge as upstream's ``group_concurrent_contiguous`` merges them.
+- The benchmark runs in CPU mode (real Mooncake engines over tcp on 127.0.0.1),
+  byte-exact on every moving path, the peer path included (the receiver's host
+  buffers written with process_vm_writev), and refuses bad input with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+
+import dsv41_kv_pattern as pattern
+
+BENCH = REPO_ROOT / "benchmarks" / "mooncake_nvlink" / "mooncake_routing.py"
+
+# The layer plan of the docstring: 43 layers, ratio-1/2 compressed attention,
+# KV storage on layers 2 (ratio 1), 3, 15 and 29 (ratio 2), the rest reading
+# a source layer's KV; layers 0 and 1 are sliding-window only.
+POOL_SCRIPT = r"""
+import json, os, sys
+import torch
+import sglang_dsv41
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.runtime_context import publish, SpawnRanks
+tiny = os.path.join(os.path.dirname(sglang_dsv41.__file__), "data", "tiny_dsv41")
+args = prepare_server_args(["--model-path", tiny, "--device", "cpu", "--host", "127.0.0.1",
+                            "--skip-tokenizer-init"])
+publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+ratios = [0, 0] + [1 if i % 2 == 0 else 2 for i in range(41)]
+sources = [2, 3, 15, 29]
+for layer, ratio in zip(sources, (1, 2, 2, 2)):
+    ratios[layer] = ratio
+pool = DeepSeekV4TokenToKVPool(
+    max_num_reqs=4, swa_size=4096, c4_size=1024, c128_size=64, c4_state_pool_size=64,
+    c128_state_pool_size=64, page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn,
+    c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
+    qk_rope_head_dim=64, indexer_head_dim=128, layer_num=43, device="cpu",
+    enable_memory_saver=False, compression_ratios=ratios, sliding_window=128,
+    kv_source_layers=sources, full_size=8192, kv_layout="v41")
+out = {"page_size": pool.page_size, "sliding_window": pool.sliding_window,
+       "pd_kv_layout": pool.pd_kv_layout()}
+for name in ("get_contiguous_buf_infos", "get_state_buf_infos", "get_request_state_buf_infos",
+             "get_swa_valid_from_buf_infos", "get_unified_swa_ring_buf_infos"):
+    out[name] = getattr(pool, name)()[2]
+print("POOL " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def sglang_pool():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", POOL_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=240)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("POOL ")]
+    assert lines, f"pool build failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("POOL "):])
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_geometry_is_sglang_pools(sglang_pool):
+    assert sglang_pool["page_size"] == pattern.DSV41_PAGE_TOKENS
+    assert sglang_pool["sliding_window"] == pattern.DSV41_SLIDING_WINDOW
+    assert sglang_pool["pd_kv_layout"] == "v41,c1:v41_fp4,c2:v41_fp4"
+    assert tuple(sglang_pool["get_contiguous_buf_infos"]) == pattern.DSV41_KV_ITEM_BYTES
+    assert sglang_pool["get_state_buf_infos"] == [pattern.DSV41_SWA_ITEM_BYTES] * pattern.DSV41_SWA_LAYERS
+    assert tuple(sglang_pool["get_request_state_buf_infos"]) == pattern.DSV41_REQUEST_STATE_ITEM_BYTES
+    # nothing else is registered for this model on the target worker
+    assert sglang_pool["get_swa_valid_from_buf_infos"] == []
+    assert sglang_pool["get_unified_swa_ring_buf_infos"] == []
+
+
+EXPECTED = {  # (engine calls, blocks, bytes) per request
+    "8k contiguous": (3, 8 + 43 + 3, 32 * 227_840 + 43 * 135_168 + 3 * 8192),
+    "8k runs of 8": (3, 8 * 4 + 46, 32 * 227_840 + 5_836_800),
+    "8k fragmented": (3, 8 * 32 + 46, 32 * 227_840 + 5_836_800),
+    "32k contiguous": (4, 8 * 2 + 46, 128 * 227_840 + 5_836_800),
+    "32k runs of 8": (4, 8 * 16 + 46, 128 * 227_840 + 5_836_800),
+    "32k fragmented": (4, 8 * 128 + 46, 128 * 227_840 + 5_836_800),
+    "state alone": (2, 46, 5_836_800),
+}
+
+
+@pytest.mark.parametrize("name, tokens, layout", pattern.DSV41_CASES)
+def test_request_calls_blocks_and_bytes(name, tokens, layout):
+    batches = pattern.dsv41_batches(tokens, layout)
+    got = (len(batches), sum(len(b) for b in batches), sum(sp[3] for b in batches for sp in b))
+    assert got == EXPECTED[name]
+    sizes = pattern.dsv41_buffer_sizes()
+    for batch in batches:
+        for buf, src_off, dst_off, length in batch:
+            assert 0 <= src_off and src_off + length <= sizes[buf]
+            assert 0 <= dst_off and dst_off + length <= sizes[buf]
+    # no destination byte is written twice (the byte check counts nonzero bytes)
+    spans = sorted((b, d, d + n) for batch in batches for b, _, d, n in batch)
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "runs8", "fragmented"])
+def test_merging_matches_upstream_group_concurrent_contiguous(layout):
+    from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+
+    rng = np.random.default_rng(7)
+    src = pattern.dsv41_page_ids(layout, 64, 1)
+    cases = [(src, pattern.dsv41_page_ids(layout, 64, 2)),
+             (src, list(rng.permutation(np.arange(100, 164)))),  # decode pages shuffled
+             (src, [5 + i + (i >= 20) for i in range(64)])]  # one break on the decode side only
+    for s, d in cases:
+        src_groups, dst_groups = group_concurrent_contiguous(np.array(s, np.int32), np.array(d, np.int32))
+        want = [(g[0], h[0], len(g)) for g, h in zip(src_groups, dst_groups)]
+        assert pattern.merge_consecutive(list(s), [int(x) for x in d]) == want
+
+
+def _run_bench(*argv, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(BENCH), *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_cpu_mode_moves_requests_byte_exact(tmp_path):
+    out = tmp_path / "dsv41.json"
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone",
+                      "--case", "8k runs of 8", "--rounds", "1", "--iters", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = {r["case"]: r for r in result["runs"][0]["rows"]}
+    assert set(rows) == {"state alone", "8k runs of 8"}
+    for name, row in rows.items():
+        assert row["byte_exact"] is True
+        assert (row["calls"], row["blocks"], row["bytes"]) == EXPECTED[name]
+        assert row["stock_us"] > 0 and row["routed_us"] > 0 and row["contiguous_us"] > 0
+        assert row["peer_us"] > 0 and row["peer_x_contiguous"] > 0 and row["peer_over_stock"] > 0
+    # The peer path really wrote through the exported map (a batch sent the
+    # direct way would be byte-exact too): every batch of at least 8 device
+    # blocks as one peer write, only the 3-row request-state call direct.
+    assert rows["8k runs of 8"]["peer_batches"] == {"peer": 2, "few_blocks": 1}
+    assert rows["state alone"]["peer_batches"] == {"peer": 1, "few_blocks": 1}
+    # The page path: the same calls written from their page lists (byte-exact above).
+    assert rows["8k runs of 8"]["pages_batches"] == {"peer_pages": 2, "few_blocks": 1}
+    assert rows["state alone"]["pages_batches"] == {"peer_pages": 1, "few_blocks": 1}
+    # Held: the request's calls (its one KV chunk is the last) written as one batch, the small
+    # request-state call included.
+    assert rows["8k runs of 8"]["held_batches"] == {"peer_pages": 3, "held_writes": 1}
+    assert rows["state alone"]["held_batches"] == {"peer_pages": 2, "held_writes": 1}
+    # where a held request's time went: no earlier chunk in these one-chunk requests, then the
+    # holding and the one write (no GPU copier here: no submitted/waited split)
+    for row in rows.values():
+        phases = row["held_phases_us"]
+        assert set(phases) == {"earlier", "hold", "write"}
+        assert phases["hold"] > 0 and phases["write"] > 0
+        assert phases["earlier"] < phases["hold"] + phases["write"]
+    assert "earlier us" in proc.stdout and "hold us" in proc.stdout
+    assert result["peer_min_blocks"] == 8
+    assert result["runs"][0]["memory_backend"] == "InjectedKinds"
+    assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
+    assert "stock/peer" in proc.stdout and "stock/pages" in proc.stdout and "stock/held" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
+    out = tmp_path / "dsv41.json"
+    # Above the threshold of every batch: the peer path sends everything the direct way.
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+                      "--peer-min-blocks", "44", "--rounds", "1", "--iters", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["runs"][0]["rows"][0]
+    assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 2}
+    assert row["pages_batches"] == {"few_blocks": 2}
+    assert row["held_batches"] == {"peer_pages": 2, "held_writes": 1}  # no threshold: one write anyway
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+                      "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["peer_min_blocks"] is None
+    assert not any(k.startswith("peer") for k in result["runs"][0]["rows"][0])
+    assert "stock/peer" not in proc.stdout and "stock/pages" not in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pattern", "dsv41", "--case", "9k contiguous"], "unknown --case '9k contiguous'"),
+    (["--pattern", "dsv41", "--repeat", "0"], "must be at least 1"),
+    (["--pattern", "dsv41", "--peer-min-blocks", "0"], "--peer-min-blocks must be at least 1"),
+    (["--case", "state alone"], "apply to --pattern dsv41 only"),
+])
+def test_bad_input_is_one_line_and_nonzero(argv, message):
+    proc = _run_bench(*argv, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _run_script(name, *argv, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO_ROOT / "python"), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, str(BENCH.parent / "kv_staging" / name), *argv], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_send_call_python_runs_every_way_against_sglangs_send_code():
+    proc = _run_script("send_call_python.py", "--runs", "1", "--iters", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["request"])
+    assert header.split()[1:] == ["sglang", "blocks", "pages", "held"]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("32k fragmented")]
+    assert rows and all(float(v) > 0 for v in rows[0][2:6])
+
+
+def test_send_call_python_answers_bad_input_with_one_line():
+    proc = _run_script("send_call_python.py", "--runs", "0", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "at least 1" in proc.stderr
+
+
+def test_peer_goals_are_judged_only_on_the_gpu(capsys):
+    pattern.print_peer_goals({"8k contiguous": 1.5, "32k fragmented": 3.5}, path="held")
+    gpu = capsys.readouterr().out.splitlines()
+    assert gpu == ["goal: 32k fragmented held within 3x of one contiguous write: 3.50x, NOT met",
+                   "goal: 8k contiguous held within 2x of one contiguous write: 1.50x, met"]
+    pattern.print_peer_goals({"8k contiguous": 0.3}, path="held", gpu=False)
+    cpu = capsys.readouterr().out
+    assert cpu.endswith("0.30x, not judged in CPU mode\n") and "met" not in cpu
+
+
+def test_gpu_mode_without_the_gpus_asked_for_is_one_line_and_exit_2():
+    proc = _run_bench("--pattern", "dsv41", "--mode", "gpu", "--gpu", "99", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line, no traceback
+    assert "needs GPU 99" in proc.stderr and "Traceback" not in proc.stderr
