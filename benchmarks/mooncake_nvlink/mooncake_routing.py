@@ -1050,7 +1050,7 @@ def main() -> None:
                    "(no GPU work on the receiver; the staged path is then not byte-exact and not checked)")
     p.add_argument("--staging-probe", action="store_true",
                    help="dsv41: after the cases, time each piece of the staged path alone")
-    p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
+    p.add_argument("--staging-copy", choices=["triton", "memcpy-async", "memcpy-batch"], default=None,
                    help="dsv41, GPU: the batched copy's backend of the staged and peer paths "
                    "(default: triton when importable)")
     p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")

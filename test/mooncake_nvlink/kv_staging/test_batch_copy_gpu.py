@@ -29,9 +29,9 @@ SRC_POOL = 256 * MiB
 DST_POOL = 1024 * MiB
 
 
-@pytest.fixture(scope="module", params=["triton", "memcpy-async"])
+@pytest.fixture(scope="module", params=["triton", "memcpy-async", "memcpy-batch"])
 def copier(request):
-    return CudaBatchCopy(0, prefer=request.param)
+    return batch_copy_for(0, prefer=request.param)
 
 
 @pytest.fixture(scope="module")

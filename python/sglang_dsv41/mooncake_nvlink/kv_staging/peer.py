@@ -90,7 +90,7 @@ def encode_peer_map(peer: PeerMap) -> list[bytes]:
 def find_peer_map(frames: Sequence[bytes]) -> Optional[PeerMap]:
     """The peer map appended to a registration message, if any. Malformed: PeerMapError."""
     for i in range(len(frames) - 1, -1, -1):
-        if bytes(frames[i]) == PEER_MAP_TAG:
+        if isinstance(frames[i], (bytes, bytearray, memoryview)) and bytes(frames[i]) == PEER_MAP_TAG:
             if len(frames) - i < 4:
                 raise PeerMapError(f"peer map of {len(frames) - i - 1} frames, expected 3")
             return parse_peer_map(frames[i + 1:i + 4])
@@ -98,6 +98,8 @@ def find_peer_map(frames: Sequence[bytes]) -> Optional[PeerMap]:
 
 
 def parse_peer_map(frames: Sequence[bytes]) -> PeerMap:
+    if not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
+        raise PeerMapError("peer map frames must be bytes")
     kind_raw, host_raw, table = (bytes(f) for f in frames)
     try:
         kind, host = kind_raw.decode("ascii"), host_raw.decode("ascii")
@@ -116,7 +118,29 @@ def parse_peer_map(frames: Sequence[bytes]) -> PeerMap:
         if ptr == 0 or length == 0 or ptr + length >= 1 << 64 or offset >= 1 << 62:
             raise PeerMapError(f"peer map region [{ptr:#x}, +{length}) is empty or wraps")
         regions.append(PeerRegion(ptr, length, offset, handle))
+    ordered = sorted(regions, key=lambda r: r.ptr)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.ptr + a.length > b.ptr:
+            raise PeerMapError(f"peer map regions [{a.ptr:#x}, +{a.length}) and [{b.ptr:#x}, +{b.length}) overlap")
     return PeerMap(kind, host, tuple(regions))
+
+
+def regions_outside_mappings(peer: PeerMap, mapped_bytes: dict[bytes, int]) -> Optional[str]:
+    """Why a region the peer declared reaches past the allocation its handle really maps, else None.
+
+    The peer states each region's offset and length inside the allocation its
+    handle names; ``mapped_bytes`` holds, per handle, the size of what opening
+    it mapped here. A write is only ever translated inside a declared region, so
+    regions inside their mappings keep every write inside memory the peer owns.
+    """
+    for r in peer.regions:
+        size = mapped_bytes.get(r.handle)
+        if size is None:
+            return f"region [{r.ptr:#x}, +{r.length}) names a handle that was not opened"
+        if r.offset + r.length > size:
+            return (f"region [{r.ptr:#x}, +{r.length}) at offset {r.offset} reaches past its "
+                    f"mapped allocation of {size} bytes")
+    return None
 
 
 # --- translation ---------------------------------------------------------------------
@@ -231,15 +255,19 @@ class CudaIpcTransport:
 
     kind = "cuda-ipc"
 
-    def __init__(self, copier: BatchCopy, device: int):
+    def __init__(self, copier: BatchCopy, device: int, runtime=None, driver=None):
+        """``runtime``/``driver``: the CUDA runtime (a ``CudaRuntime``) and driver library, or
+        stand-ins with the same calls (tests); found in the process when None."""
         from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import CudaRuntime
 
         self.copier = copier
         self.device = device
-        try:  # torch's own runtime first: the same current device and context as its kernels
-            self._rt = CudaRuntime.find(loaded_only=True)
-        except BatchCopyError:
-            self._rt = CudaRuntime.find(loaded_only=False)
+        if runtime is None:
+            try:  # torch's own runtime first: the same current device and context as its kernels
+                runtime = CudaRuntime.find(loaded_only=True)
+            except BatchCopyError:
+                runtime = CudaRuntime.find(loaded_only=False)
+        self._rt = runtime
         lib = self._rt.lib
         vp, ci = ctypes.c_void_p, ctypes.c_int
         lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), vp]
@@ -247,9 +275,9 @@ class CudaIpcTransport:
         lib.cudaIpcCloseMemHandle.argtypes = [vp]
         for name in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"):
             getattr(lib, name).restype = ci
-        self._driver = _driver_library()
+        self._driver = driver if driver is not None else _driver_library()
         self._lock = threading.Lock()
-        self._mapped: dict[bytes, list[int]] = {}  # handle -> [local base, references]
+        self._mapped: dict[bytes, list[int]] = {}  # handle -> [local base, references, mapped bytes]
 
     def _on_device(self) -> None:
         err = self._rt.lib.cudaSetDevice(self.device)
@@ -299,6 +327,12 @@ class CudaIpcTransport:
         except PeerMapError:
             self.close(opened)
             raise
+        with self._lock:
+            sizes = {h: self._mapped[h][2] for h in opened if h in self._mapped}
+        outside = regions_outside_mappings(peer, sizes)
+        if outside is not None:  # never trust the peer's word: no write may leave its memory
+            self.close(opened)
+            raise PeerMapError(f"peer map refused: {outside}")
         return PeerTarget(peer, [bases[r.handle] + r.offset for r in peer.regions], self, opened)
 
     def _open_one(self, handle: bytes) -> int:
@@ -313,8 +347,17 @@ class CudaIpcTransport:
             if err:
                 self._rt.lib.cudaGetLastError()
                 raise PeerMapError(f"cudaIpcOpenMemHandle failed: {self._rt.error(err)}")
-            self._mapped[handle] = [int(ptr.value), 1]
-            return int(ptr.value)
+            base = int(ptr.value or 0)
+            try:
+                found, size = self._allocation_of(base)
+            except PeerMapError:
+                self._rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(base))
+                raise
+            if found != base:  # the mapping must start the allocation the driver reports
+                self._rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(base))
+                raise PeerMapError(f"the opened handle maps {base:#x}, inside an allocation at {found:#x}")
+            self._mapped[handle] = [base, 1, size]
+            return base
 
     def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
         self.copier.copy(srcs, dsts, lengths)
