@@ -20,6 +20,7 @@ FEATURE_IMPORTS = {
     "owner_broadcast": set(),
     "embed_overrides": set(),
     "pd_handshake": set(),
+    "pd_retraction": set(),
     "mooncake_nvlink": set(),  # kv_staging is its sub-package
     "launch_guards": {"cp_bcg"},  # the breakable-graph opt-in changes a known-crash rule
     "cp_bcg": set(),

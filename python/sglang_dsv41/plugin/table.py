@@ -22,13 +22,14 @@ from sglang_dsv41.mooncake_nvlink import patches as mooncake_nvlink
 from sglang_dsv41.mooncake_nvlink.kv_staging import patches as kv_staging
 from sglang_dsv41.owner_broadcast import patches as owner_broadcast
 from sglang_dsv41.pd_handshake import patches as pd_handshake
+from sglang_dsv41.pd_retraction import patches as pd_retraction
 from sglang_dsv41.plugin.spec import Feature, Patch, Role
 from sglang_dsv41.vision_cp import patches as vision_cp
 
 # Registration order: hooks on one upstream function nest by it.
 FEATURE_MODULES: tuple[ModuleType, ...] = (
     activation, vision_cp, owner_broadcast, mooncake_nvlink, kv_staging,
-    pd_handshake, embed_overrides, launch_guards, cp_bcg,
+    pd_handshake, pd_retraction, embed_overrides, launch_guards, cp_bcg,
 )
 FEATURES: tuple[Feature, ...] = tuple(m.FEATURE for m in FEATURE_MODULES)
 PATCHES: tuple[Patch, ...] = tuple(p for m in FEATURE_MODULES for p in m.PATCHES)
