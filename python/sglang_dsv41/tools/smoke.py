@@ -15,27 +15,37 @@ router in them, at the port its command names) or server URLs. For each:
   applied in the scheduler role (not on routers: they run no plugin).
 
 One line per server, or one JSON document with ``--json``. Exit status 0 when
-every check passed, 1 when one failed, 2 for input that cannot be used. Every
-request has a timeout; nothing waits forever.
+every check passed, 1 when one failed, 2 for input that cannot be used (one
+line naming it). Each request must be over, answer read, within ``--timeout``
+seconds, and an answer is read up to a size cap: a server that trickles or
+floods fails its check instead of holding the tool. Proxies are not used: the
+servers are reached directly. An answer that is not what sglang sends (a broken
+status line, a body cut short, JSON of another shape, counts that are not
+whole numbers) fails its check, naming what was wrong.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import http.client
+import ipaddress
 import json
+import math
 import re
+import socket
 import struct
 import sys
-import urllib.error
+import threading
 import urllib.parse
-import urllib.request
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DEFAULT_SERVER_PORT = 30000
 DEFAULT_ROUTER_PORT = 30000
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.1, 86400.0
 PROMPT = "Reply with the single word OK."
 _SERIES = re.compile(r'^sglang_dsv41_(patches_applied|patches_owed)\{role="([a-z_]+)"\}\s+(\S+)$')
 
@@ -69,6 +79,8 @@ class ServerResult:
     checks: list = field(default_factory=list)
 
     def add(self, check: str, status: str, detail: str) -> Check:
+        # One line of printable text, whatever the server put in its answer.
+        detail = " ".join("".join(c if c.isprintable() else " " for c in detail).split())
         self.checks.append(Check(check, status, detail))
         if status == "fail":
             self.ok = False
@@ -92,10 +104,9 @@ def _port(args: list[str], default: int, where: str) -> int:
     text = _option(args, "--port")
     if text is None:
         return default
-    try:
-        return int(text)
-    except ValueError:
-        raise SmokeInputError(f"{where}: --port {text!r} is not a number") from None
+    if not re.fullmatch(r"[0-9]{1,5}", text) or not 1 <= int(text) <= 65535:
+        raise SmokeInputError(f"{where}: --port {text!r} is not a port (1-65535)")
+    return int(text)
 
 
 def _reachable_port(service, port: int) -> int | None:
@@ -133,27 +144,61 @@ def compose_endpoints(path: str, host: str) -> list[Endpoint]:
         if reachable is None:
             raise SmokeInputError(f"{where}: port {port} is neither published nor on the host network")
         machine = service.host if service.host != "local" else host
-        endpoints.append(Endpoint(where, f"http://{machine}:{reachable}", kind, path))
+        problem = _host_problem(machine)
+        if problem:
+            raise SmokeInputError(f"{where}: host {machine!r}: {problem}")
+        url = f"http://{f'[{machine}]' if ':' in machine else machine}:{reachable}"
+        endpoints.append(Endpoint(where, url, kind, path))
     if not endpoints:
         raise SmokeInputError(f"{path}: no `sglang serve` or router service")
     return endpoints
 
 
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` is not a host name or IP address, or None."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return "not a host name or IP address"
+    return None
+
+
 def url_endpoint(text: str) -> Endpoint:
-    parsed = urllib.parse.urlsplit(text)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    """A server URL: http(s)://host[:port][/path], nothing else."""
+    if not re.fullmatch(r"[!-~]{1,2000}", text):
+        raise SmokeInputError(f"{text!r}: not an http(s) URL (spaces, control characters, non-ASCII "
+                              "or over 2000 characters)")
+    try:
+        parsed = urllib.parse.urlsplit(text)
+        host = parsed.hostname
+    except ValueError as exc:  # a bracket left open
+        raise SmokeInputError(f"{text}: not an http(s) URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not host:
         raise SmokeInputError(f"{text}: not an http(s) URL")
     try:
-        parsed.port
-    except ValueError:
+        if parsed.port == 0:
+            raise ValueError
+    except ValueError:  # not a number, or outside 1-65535
         raise SmokeInputError(f"{text}: bad port") from None
+    if parsed.username is not None or parsed.query or parsed.fragment or "?" in text or "#" in text:
+        raise SmokeInputError(f"{text}: a server URL has no user, query or fragment")
+    problem = _host_problem(host)
+    if problem:
+        raise SmokeInputError(f"{text}: {host!r} is {problem}")
     return Endpoint(text, text.rstrip("/"), "server", "url")
 
 
 def endpoints_of(targets: list[str], host: str) -> list[Endpoint]:
     out = []
     for target in targets:
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", target):
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) and not Path(target).exists():
             out.append(url_endpoint(target))
         elif target.endswith((".yml", ".yaml")) or Path(target).is_file():
             out.extend(compose_endpoints(target, host))
@@ -170,18 +215,88 @@ class _HttpError(Exception):
     pass
 
 
-def _request(url: str, timeout: float, body: dict | None = None) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"} if body else {})
+# What one answer may hold: sglang's JSON answers here are a few KiB, its
+# /metrics a few MiB with every histogram.
+MAX_JSON_BYTES = 1 << 20
+MAX_METRICS_BYTES = 64 << 20
+
+
+def _why(exc: BaseException) -> str:
+    """One short line for what a broken server or network made http.client raise."""
+    if isinstance(exc, http.client.LineTooLong):
+        return f"a line of the answer's head is longer than 64 KiB ({exc})"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "the server closed the connection without an answer"
+    if isinstance(exc, http.client.BadStatusLine):
+        return f"not an HTTP answer (status line {str(exc)[:60]!r})"
+    if isinstance(exc, http.client.IncompleteRead):
+        return "the answer ended early (a chunk cut short)"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = " ".join(str(exc).split())[:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _exchange(url: str, timeout: float, data: bytes | None, limit: int,
+              opened: list) -> tuple[int, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout)
+    opened.append(connection)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()[:2000]
-    except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, reset, timeout
-        reason = getattr(exc, "reason", exc)
-        raise _HttpError(f"{type(reason).__name__}: {reason}") from None
+        connection.request("GET" if data is None else "POST", parts.path or "/", body=data,
+                           headers={"Content-Type": "application/json"} if data else {})
+        response = connection.getresponse()
+        declared = response.length  # None when the answer is chunked or read to the close
+        if declared is not None and declared > limit:
+            raise _HttpError(f"HTTP {response.status} with a body of {declared} bytes, over the "
+                             f"{limit >> 10} KiB this check reads")
+        body, size = [], 0
+        while chunk := response.read1(1 << 16):  # one socket read at a time
+            size += len(chunk)
+            if size > limit:
+                raise _HttpError(f"HTTP {response.status} with a body over the {limit >> 10} KiB "
+                                 "this check reads")
+            body.append(chunk)
+        if declared is not None and size < declared:
+            raise _HttpError(f"HTTP {response.status}: the body ended after {size} of its "
+                             f"{declared} bytes")
+        return response.status, b"".join(body)
+    finally:
+        connection.close()
+
+
+def _request(url: str, timeout: float, body: dict | None = None,
+             limit: int = MAX_JSON_BYTES) -> tuple[int, bytes]:
+    """(status, body) of one request, all of it within ``timeout`` seconds.
+
+    The exchange runs in a thread the caller waits for, so the deadline covers
+    every step (name lookup, connect, a server sending a byte at a time), not
+    each socket read; one past its deadline is cut off and left to die.
+    """
+    data = None if body is None else json.dumps(body).encode()
+    outcome: dict = {}
+    opened: list = []
+
+    def exchange() -> None:
+        try:
+            outcome["answer"] = _exchange(url, timeout, data, limit, opened)
+        except _HttpError as exc:
+            outcome["error"] = str(exc)
+        except Exception as exc:  # whatever the other side made the client raise is a finding
+            outcome["error"] = _why(exc)
+
+    worker = threading.Thread(target=exchange, name="smoke-request", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        for connection in opened:
+            with contextlib.suppress(OSError, AttributeError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+        raise _HttpError(f"timed out: no complete answer within {timeout:g} s")
+    if "error" in outcome:
+        raise _HttpError(outcome["error"])
+    return outcome["answer"]
 
 
 def _json(url: str, timeout: float, body: dict | None = None) -> dict:
@@ -190,10 +305,18 @@ def _json(url: str, timeout: float, body: dict | None = None) -> dict:
         raise _HttpError(f"HTTP {status}: {raw[:200].decode(errors='replace').strip()}")
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         raise _HttpError(f"not JSON: {raw[:120]!r}") from None
     if not isinstance(value, dict):
-        raise _HttpError(f"unexpected JSON: {raw[:120]!r}")
+        raise _HttpError(f"unexpected JSON (not an object): {raw[:120]!r}")
+    return value
+
+
+def _count(mapping: dict, key: str, where: str) -> int:
+    """A token count the server reported: a whole number, not a bool, a string or a float."""
+    value = mapping.get(key)
+    if type(value) is not int or not 0 <= value < 1 << 53:
+        raise _HttpError(f"{where}.{key} is {json.dumps(value)[:60]}, not a token count")
     return value
 
 
@@ -221,29 +344,50 @@ def png_data_url() -> str:
 # Checks
 
 
-def _completion(url: str, model: str, content, timeout: float) -> dict:
+def _completion(url: str, model: str, content, timeout: float) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of one short chat completion."""
     reply = _json(f"{url}/v1/chat/completions", timeout, {
         "model": model, "messages": [{"role": "user", "content": content}],
         "max_tokens": 8, "temperature": 0,
     })
-    choices = reply.get("choices")
-    usage = reply.get("usage") or {}
-    if not choices or not isinstance(choices, list):
+    choices, usage = reply.get("choices"), reply.get("usage")
+    if not isinstance(choices, list) or not choices:
         raise _HttpError(f"no choices in the reply: {json.dumps(reply)[:200]}")
-    if int(usage.get("completion_tokens") or 0) < 1:
-        raise _HttpError(f"no completion tokens: usage {usage}")
-    return reply
+    if not isinstance(usage, dict):
+        raise _HttpError(f"no usage object in the reply: {json.dumps(reply)[:200]}")
+    completion = _count(usage, "completion_tokens", "usage")
+    if completion < 1:
+        raise _HttpError(f"no completion tokens: usage {json.dumps(usage)[:200]}")
+    return _count(usage, "prompt_tokens", "usage"), completion
 
 
-def plugin_status(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """Per role: (patches applied, patches owed), from the plugin's series."""
-    seen: dict[str, dict[str, float]] = {}
+class MetricsError(ValueError):
+    """The plugin's series are there but cannot be read as patch counts."""
+
+
+def plugin_status(metrics_text: str) -> dict[str, tuple[int, int]]:
+    """Per role: (patches applied, patches owed), from the plugin's series.
+
+    A count that is not a whole, finite number, or a series given twice with
+    two values, raises MetricsError: such a page proves nothing.
+    """
+    seen: dict[str, dict[str, int]] = {}
     for line in metrics_text.splitlines():
         match = _SERIES.match(line.strip())
-        if match:
-            seen.setdefault(match.group(2), {})[match.group(1)] = float(match.group(3))
-    return {role: (v.get("patches_applied", 0.0), v.get("patches_owed", 0.0))
-            for role, v in seen.items()}
+        if not match:
+            continue
+        series, role, text = match.groups()
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value.is_integer() and 0 <= value < 1 << 31):
+            raise MetricsError(f"sglang_dsv41_{series}{{role=\"{role}\"}} is {text[:40]!r}, "
+                               "not a patch count")
+        if seen.setdefault(role, {}).setdefault(series, int(value)) != int(value):
+            raise MetricsError(f"sglang_dsv41_{series}{{role=\"{role}\"}} is given twice, "
+                               "with two values")
+    return {role: (v.get("patches_applied", 0), v.get("patches_owed", 0)) for role, v in seen.items()}
 
 
 def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = False) -> ServerResult:
@@ -264,8 +408,13 @@ def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = Fal
     if endpoint.kind == "server":
         try:
             info = _json(f"{url}/model_info", timeout)
-            vision = bool(info.get("has_image_understanding"))
-            pd_mode = info.get("disaggregation_mode")
+            vision = info.get("has_image_understanding", False)
+            pd_mode = info.get("disaggregation_mode", "null")
+            if type(vision) is not bool:
+                raise _HttpError(f"has_image_understanding is {json.dumps(vision)[:60]}, not true or false")
+            if pd_mode not in (None, "null", "prefill", "decode"):
+                raise _HttpError(f"disaggregation_mode is {json.dumps(pd_mode)[:60]}, not null, "
+                                 "prefill or decode")
             pd_mode = None if pd_mode in (None, "null") else pd_mode
             result.add("model-info", "ok", f"vision={'on' if vision else 'off'}"
                        + (f", PD {pd_mode}" if pd_mode else ""))
@@ -285,27 +434,36 @@ def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = Fal
     return result
 
 
+def _model_id(url: str, timeout: float) -> str:
+    models = _json(f"{url}/v1/models", timeout).get("data", [])
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise _HttpError(f"/v1/models: data is {json.dumps(models)[:80]}, not a list of models")
+    if not models:
+        return "default"
+    model = models[0].get("id")
+    if not isinstance(model, str) or not model:
+        raise _HttpError(f"/v1/models: the first model's id is {json.dumps(model)[:60]}")
+    return model
+
+
 def _chat_checks(result: ServerResult, url: str, vision: bool, timeout: float) -> None:
     try:
-        models = _json(f"{url}/v1/models", timeout).get("data") or []
-        model = models[0]["id"] if models and isinstance(models[0], dict) else "default"
-        text = _completion(url, model, PROMPT, timeout)
+        model = _model_id(url, timeout)
+        text_tokens, completion = _completion(url, model, PROMPT, timeout)
     except _HttpError as exc:
         result.add("chat", "fail", str(exc))
         return
-    text_tokens = int(text["usage"].get("prompt_tokens") or 0)
-    result.add("chat", "ok", f"{text['usage'].get('completion_tokens')} tokens from {model}")
+    result.add("chat", "ok", f"{completion} tokens from {model}")
     if not vision:
         result.add("image", "skip", "the server does not understand images")
         return
     content = [{"type": "text", "text": PROMPT},
                {"type": "image_url", "image_url": {"url": png_data_url()}}]
     try:
-        image = _completion(url, model, content, timeout)
+        image_tokens, _ = _completion(url, model, content, timeout)
     except _HttpError as exc:
         result.add("image", "fail", str(exc))
         return
-    image_tokens = int(image["usage"].get("prompt_tokens") or 0)
     if image_tokens <= text_tokens:
         result.add("image", "fail", f"the image added no prompt tokens ({image_tokens} vs "
                                     f"{text_tokens} for the text alone): it was not read")
@@ -315,7 +473,7 @@ def _chat_checks(result: ServerResult, url: str, vision: bool, timeout: float) -
 
 def _metrics_check(result: ServerResult, url: str, timeout: float) -> None:
     try:
-        status, raw = _request(f"{url}/metrics", timeout)
+        status, raw = _request(f"{url}/metrics", timeout, limit=MAX_METRICS_BYTES)
     except _HttpError as exc:
         result.add("metrics", "fail", str(exc))
         return
@@ -325,13 +483,17 @@ def _metrics_check(result: ServerResult, url: str, timeout: float) -> None:
     if status != 200:
         result.add("metrics", "fail", f"/metrics: HTTP {status}")
         return
-    roles = plugin_status(raw.decode(errors="replace"))
+    try:
+        roles = plugin_status(raw.decode(errors="replace"))
+    except MetricsError as exc:
+        result.add("metrics", "fail", f"/metrics: {exc}")
+        return
     if not roles:
         result.add("metrics", "fail", "no sglang_dsv41_ series: the plugin is not active "
                                       "(stock sglang?)")
         return
-    summary = ", ".join(f"{role} {applied:g}/{owed:g}" for role, (applied, owed) in sorted(roles.items()))
-    short = [role for role, (applied, owed) in roles.items() if owed <= 0 or applied < owed]
+    summary = ", ".join(f"{role} {applied}/{owed}" for role, (applied, owed) in sorted(roles.items()))
+    short = [role for role, (applied, owed) in roles.items() if owed <= 0 or applied != owed]
     if "scheduler" not in roles:
         result.add("metrics", "fail", f"no scheduler reported the plugin ({summary})")
     elif short:
@@ -348,8 +510,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("targets", nargs="+", metavar="COMPOSE_FILE_OR_URL",
                         help="compose files (every sglang server and router in them) or server URLs")
     parser.add_argument("--json", action="store_true", help="one JSON document instead of lines")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds for each request (default 60)")
+    parser.add_argument("--timeout", default="60",
+                        help="seconds each request may take in all, 0.1 to 86400 (default 60)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="where compose services without a host label listen (default 127.0.0.1)")
 
@@ -363,8 +525,17 @@ def _line(result: ServerResult) -> str:
 
 
 def main(args) -> int:
-    if args.timeout <= 0:
-        print("smoke: --timeout must be positive", file=sys.stderr)
+    try:
+        timeout = float(args.timeout)
+    except ValueError:
+        timeout = math.nan
+    if not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:  # NaN fails this too
+        print(f"smoke: --timeout {args.timeout!r}: expected seconds from {MIN_TIMEOUT_S:g} to "
+              f"{MAX_TIMEOUT_S:g}", file=sys.stderr)
+        return 2
+    problem = _host_problem(args.host)
+    if problem:
+        print(f"smoke: --host {args.host!r}: {problem}", file=sys.stderr)
         return 2
     try:
         endpoints = endpoints_of(args.targets, args.host)
@@ -377,12 +548,12 @@ def main(args) -> int:
     vision_sources = set()
     for index, endpoint in enumerate(endpoints):
         if endpoint.kind == "server":
-            results[index] = check_endpoint(endpoint, args.timeout)
+            results[index] = check_endpoint(endpoint, timeout)
             if any(c.check == "model-info" and "vision=on" in c.detail for c in results[index].checks):
                 vision_sources.add(endpoint.source)
     for index, endpoint in enumerate(endpoints):
         if endpoint.kind == "router":
-            results[index] = check_endpoint(endpoint, args.timeout,
+            results[index] = check_endpoint(endpoint, timeout,
                                             router_vision=endpoint.source in vision_sources)
     results = [results[index] for index in range(len(endpoints))]
     ok = all(r.ok for r in results)

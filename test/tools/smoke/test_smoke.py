@@ -286,7 +286,7 @@ def test_nothing_listening_is_one_failed_line():
     (["ftp://example.com"], "smoke: ftp://example.com: not an http(s) URL"),
     (["not-a-target"], "smoke: not-a-target: neither a compose file nor an http(s) URL"),
     (["http://127.0.0.1:99999"], "smoke: http://127.0.0.1:99999: bad port"),
-    (["--timeout", "0", "http://127.0.0.1:1"], "smoke: --timeout must be positive"),
+    (["--timeout", "0", "http://127.0.0.1:1"], "smoke: --timeout '0': expected seconds from 0.1 to 86400"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     proc = smoke(*args)
