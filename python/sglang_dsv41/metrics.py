@@ -113,6 +113,11 @@ SERIES: Tuple[Series, ...] = (
            "peer maps sent.", "granted, pool_full, peer_map"),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
+    Series("retraction_aborts", "counter", "reason",
+           "Requests a decode's retraction aborted instead of retracting, by reason. "
+           "vision_inputs: a DeepSeek-V4 PD decode recomputes retracted requests from token "
+           "ids only, so a request with images cannot resume (stock words it as a missing "
+           "backup).", "vision_inputs, no_backup, host_pool_exhausted, beam_group, out_of_memory"),
     Series("launch_guard_active", "gauge", "rule",
            "The launch guard's verdict on this server's arguments, as its schedulers received "
            "them: 1 for the known-crash rule that turned a default off, or for rule=\"none\" "
@@ -243,6 +248,11 @@ def count_agreement_failure() -> None:
 
 def count_pairing_refused() -> None:
     _add("pd_pairings_refused")
+
+
+def count_retraction_abort(reason: str) -> None:
+    """A request a retraction aborted (rare: once per aborted request)."""
+    _add("retraction_aborts", reason)
 
 
 def launch_guard_verdict(rule: Optional[str]) -> None:

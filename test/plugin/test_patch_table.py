@@ -68,6 +68,7 @@ ORDER = (
     ("MC-KVS-CONCLUDE", "around", "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer"),
     ("PDH-PAIRING", "around", "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info"),
     ("PDR-RECOMPUTE-RANK", "before", "sglang.srt.disaggregation.decode.DecodePreallocQueue._submit_prefill_recompute"),
+    ("PDR-ABORT-REASON", "after", "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"),
     ("EMB-ADMIT", "before", "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"),
     ("EMB-CAN-SHARE", "new_attribute", "sglang.srt.managers.schedule_policy.PrefillAdder.can_share_extend_batch"),
     ("EMB-ADD-ONE", "around", "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"),

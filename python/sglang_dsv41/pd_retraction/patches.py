@@ -36,4 +36,24 @@ PATCHES: tuple[Patch, ...] = (
         signature="(self, decode_req: DecodeRequest)",
         ast_sha="f00a075bdf8035fc",
     ),
+    Patch(
+        id="PDR-ABORT-REASON",
+        group="pd_retraction",
+        target="sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+        kind=HookKind.AFTER,
+        hook="sglang_dsv41.pd_retraction.hooks:after_retract_decode",
+        roles=roles(Role.SCHEDULER),
+        reason="A DeepSeek-V4 PD decode aborts every request with images it retracts (the "
+        "recompute carries token ids only) with the words of a missing KV backup, and nothing "
+        "counts it. After the retraction picks its aborts and before the scheduler streams "
+        "them, each is counted by reason (retraction_aborts), and a vision request gets one "
+        "log line and an abort message that names the cause. AFTER on the method that decides, "
+        "once per retraction; backup_kv_cache is imported by name into schedule_batch.",
+        source="this package (sglang 0.5.23's retraction path read against its multimodal TODO)",
+        upstream="none: 0.5.23 leaves multimodal recompute as a TODO in Req.build_rebootstrap_payload",
+        remove_when="the pinned sglang recomputes retracted multimodal requests with their images, "
+        "or names the cause of the abort and counts it",
+        signature="(self)",
+        ast_sha="ab0ae73db2feb4b5",
+    ),
 )
