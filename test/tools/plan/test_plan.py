@@ -229,7 +229,7 @@ def test_nvlink_intra_pd_needs_one_pid_namespace(results):
     errors = _errors(results["hole:nvlink-separate-pid.yml"]["output"])
     assert len(errors) == 1, errors
     assert errors[0].startswith("nvlink-separate-pid.yml/prefill -> nvlink-separate-pid.yml/decode: the KV transfer "
-                                "uses Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK)")
+                                "uses Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK is set)")
     assert "separate PID namespaces" in errors[0] and "pid: host" in errors[0]
 
 

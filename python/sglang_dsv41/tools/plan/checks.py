@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from sglang_dsv41.tools.plan.compose import Project, Service
 from sglang_dsv41.tools.plan.commands import ShellRefused, unwrap
 from sglang_dsv41.launch_guards.rules import CrashFeatures, known_crash
+from sglang_dsv41.mooncake_nvlink.routing import nvlink_intra_reason
 from sglang_dsv41.mooncake_nvlink.kv_staging.slots import STAGING_ENV, StagingConfigError, staging_config
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "[::1]"}
@@ -531,7 +532,7 @@ def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
             problems.append(Problem(server.service.label,
                                     f"{exc}: the server would stop when its KV transfer manager starts"))
             continue
-        if setting[id(server)] is not None and not uses_nvlink_intra(env):
+        if setting[id(server)] is not None and not nvlink_intra_reason(env):
             problems.append(Problem(server.service.label,
                                     f"{STAGING_ENV}={_switch(env)} has no effect without Mooncake's intra-node NVLink "
                                     "transport (MC_INTRANODE_NVLINK or MOONCAKE_PROTOCOL=nvlink_intra)"))
@@ -865,19 +866,6 @@ def check_gpu_ids(services: list[Service], options: PlanOptions) -> list[Problem
 
 # --------------------------------------------------------------------------- Mooncake and host memory
 
-# Mooncake installs its intra-node NVLink transport ("nvlink_intra") whenever
-# MC_INTRANODE_NVLINK is set, whatever its value; the store can also be told to
-# use it by protocol, and sglang by its custom memory pool setting.
-def uses_nvlink_intra(environment: dict[str, str]) -> str | None:
-    if "MC_INTRANODE_NVLINK" in environment:
-        return "MC_INTRANODE_NVLINK"
-    if environment.get("MOONCAKE_PROTOCOL", "").strip().lower() == "nvlink_intra":
-        return "MOONCAKE_PROTOCOL=nvlink_intra"
-    if environment.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "").strip().upper() == "INTRA_NODE_NVLINK":
-        return "SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK"
-    return None
-
-
 def expandable_segments_setting(environment: dict[str, str]) -> str | None:
     """The allocator variable that turns PyTorch's expandable segments on, if any."""
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
@@ -910,7 +898,7 @@ def check_nvlink_intra(plan: Plan) -> list[Problem]:
     pd = [s for s in plan.servers if s.layout.disaggregation_mode in ("prefill", "decode")
           and (s.layout.transfer_backend or "mooncake") == "mooncake"]
     for server in pd:
-        how = uses_nvlink_intra(server.service.environment)
+        how = nvlink_intra_reason(server.service.environment)
         var = expandable_segments_setting(server.service.environment)
         if how and var:
             problems.append(Problem(server.service.label,
@@ -926,7 +914,7 @@ def check_nvlink_intra(plan: Plan) -> list[Problem]:
             ps, ds = p.service, d.service
             if ps.host != ds.host:
                 continue
-            how = uses_nvlink_intra(ps.environment) or uses_nvlink_intra(ds.environment)
+            how = nvlink_intra_reason(ps.environment) or nvlink_intra_reason(ds.environment)
             if not how or _share_pid_namespace(ps, ds):
                 continue
             problems.append(Problem(f"{ps.label} -> {ds.label}",
