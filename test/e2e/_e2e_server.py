@@ -89,6 +89,9 @@ class Server:
         plugin: bool = True,
         embedding: bool = False,
         metrics: bool = False,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
     ):
         self.model = model
         self.workdir = workdir
@@ -97,7 +100,9 @@ class Server:
         self.plugin = plugin
         self.embedding = embedding
         self.metrics = metrics
-        self.port = free_port()
+        self.extra_args = tuple(extra_args)
+        self.extra_env = dict(extra_env or {})
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
         self.kernel_calls = workdir / "kernel_calls.log"
@@ -120,6 +125,7 @@ class Server:
         )
         if not self.plugin:
             env["SGLANG_PLUGINS"] = "not_dsv41"  # sglang's own filter: ours is skipped
+        env.update(self.extra_env)
         return env
 
     def command(self) -> list[str]:
@@ -144,7 +150,7 @@ class Server:
             cmd.append("--is-embedding")
         if self.metrics:
             cmd.append("--enable-metrics")
-        return cmd
+        return cmd + list(self.extra_args)
 
     def start(self) -> "Server":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -211,12 +217,14 @@ class Server:
     def post(self, path: str, payload: dict, timeout: float = 300) -> requests.Response:
         return requests.post(f"{self.base}{path}", json=payload, timeout=timeout)
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after a grace."""
+    def stop(self, *, graceful: bool = True) -> None:
+        """SIGTERM to the server's process group, SIGKILL to what is left after a grace;
+        ``graceful=False``: SIGKILL at once, as a crashed host or an OOM kill would."""
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group is the server's own
-        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        signals = ((signal.SIGTERM, 30), (signal.SIGKILL, 30)) if graceful else ((signal.SIGKILL, 30),)
+        for sig, grace in signals:
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:

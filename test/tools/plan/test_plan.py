@@ -135,6 +135,12 @@ def results(tmp_path_factory) -> dict[str, dict]:
     shutil.copytree(DEPLOY, chained, ignore=shutil.ignore_patterns(".env"))
     (chained / ".env").write_text("PORT_BASE=310\nTP_PORT=${PORT_BASE}00\nTP_GPUS=\"${FIRST_GPU:-4},5,6,7\"\n")
     cases["hole:env-chain"] = [str(chained / "tp.yml")]
+    # The shipped PD router with sglang_router's fault defaults back: a dead decode would hang its clients.
+    defaults = tmp_path_factory.mktemp("router-defaults") / "b300-ds41"
+    shutil.copytree(DEPLOY, defaults, ignore=shutil.ignore_patterns(".env"))
+    pd = defaults / "pd-1p1d.yml"
+    pd.write_text(re.sub(r"\n\s*--(cb|health)-[a-z-]+ \S+( --(cb|health)-[a-z-]+ \S+)?", "", pd.read_text()))
+    cases["warn:router-defaults"] = [str(pd)]
     # The normalized output of `docker compose config`, read instead of the source file.
     config = tmp_path_factory.mktemp("config") / "tp.config.yml"
     config.write_text((HERE / "compose-config" / "tp.yml").read_text().replace("__DEPLOY__", str(deploy)))
@@ -166,6 +172,20 @@ def test_shipped_topology_passes_plan(results, name):
     assert "plan: OK" in result["output"]
     for fact in SHIPPED[name]:
         assert fact in result["output"], f"{fact!r} not in:\n{result['output']}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SHIPPED if n.startswith("pd-")))
+def test_shipped_pd_routers_fail_fast_when_a_server_dies(results, name):
+    assert "WARNING" not in "".join(
+        line for line in results[f"shipped:{name}"]["output"].splitlines() if "/router:" in line)
+
+
+def test_pd_router_with_the_fault_defaults_is_warned_about(results):
+    result = results["warn:router-defaults"]
+    assert result["rc"] == 0 and "plan: OK" in result["output"], result["output"]
+    warning = [line for line in result["output"].splitlines() if line.startswith("plan: WARNING pd-1p1d.yml/router:")]
+    assert len(warning) == 1, result["output"]
+    assert "would wait about 300 s" in warning[0] and "--cb-failure-threshold 1" in warning[0], warning
 
 
 @pytest.mark.parametrize("name", sorted(BAD_CASES))

@@ -961,3 +961,66 @@ def check_host_memory(plan: Plan, options: PlanOptions) -> list[Problem]:
             problems.append(Problem(f"host {host}", f"the servers pin {total:.0f} GB of host memory ({detail}), "
                                                     f"more than --host-memory-gb {options.host_memory_gb:g}"))
     return problems
+
+
+# --------------------------------------------------------------------------- PD routers that hang on a dead server
+
+# sglang_router's defaults for the flags that decide how long a client waits
+# when a PD server dies (deploy/b300-ds41/base/services.yml says why).
+ROUTER_FAULT_DEFAULTS = {"cb_failure_threshold": 10, "cb_timeout_duration_secs": 60,
+                         "health_check_interval_secs": 60, "health_failure_threshold": 3}
+BOOTSTRAP_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
+BOOTSTRAP_TIMEOUT_DEFAULT_S = 300
+FAST_FAILURE_S = 15
+
+
+def router_fault_settings(args: list[str]) -> dict[str, int | bool]:
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for name, default in ROUTER_FAULT_DEFAULTS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    parser.add_argument("--disable-circuit-breaker", action="store_true")
+    parser.add_argument("--disable-health-check", action="store_true")
+    try:
+        known, _ = parser.parse_known_args(args)
+    except (argparse.ArgumentError, ValueError) as exc:
+        raise ValueError(f"cannot read the router's fault settings: {exc}") from exc
+    return vars(known)
+
+
+def pd_router_hang_warnings(plan: Plan) -> list[Problem]:
+    """PD routers whose client would wait for the prefill's bootstrap timeout when a decode dies.
+
+    The router retries a failed request on a pair it still believes healthy and
+    waits for that retry's prefill half, which waits for a decode that never
+    comes until the bootstrap timeout. Only a circuit that opens at the first
+    failure, and health checks that take the dead server out before the circuit
+    half-opens, keep the router from sending a request there.
+    """
+    warnings = []
+    for router in plan.routers:
+        if not router.pd:
+            continue
+        try:
+            flags = router_fault_settings(router_args(router.service.argv) or [])
+        except ValueError as exc:
+            warnings.append(Problem(router.service.label, str(exc)))
+            continue
+        prefills = [_server_for_url(router, url, plan)[0] for url, _ in router.prefill]
+        waits = [int(s.service.environment.get(BOOTSTRAP_TIMEOUT_ENV) or BOOTSTRAP_TIMEOUT_DEFAULT_S)
+                 for s in prefills if s is not None]
+        wait = max(waits, default=BOOTSTRAP_TIMEOUT_DEFAULT_S)
+        if wait <= FAST_FAILURE_S:
+            continue
+        hang = (f"a client whose decode dies would wait about {wait} s (the prefill's {BOOTSTRAP_TIMEOUT_ENV}) "
+                "for an error, because the router retries on the dead pair and waits for the retry's prefill half")
+        if flags["disable_circuit_breaker"] or flags["cb_failure_threshold"] > 1:
+            warnings.append(Problem(router.service.label, f"{hang}; give --cb-failure-threshold 1"))
+        elif flags["disable_health_check"] or (
+                flags["health_check_interval_secs"] * flags["health_failure_threshold"]
+                >= flags["cb_timeout_duration_secs"]):
+            warnings.append(Problem(router.service.label, (
+                f"{hang} once its circuit half-opens after --cb-timeout-duration-secs "
+                f"{flags['cb_timeout_duration_secs']}, before the health checks (every "
+                f"{flags['health_check_interval_secs']} s, {flags['health_failure_threshold']} failures) take the "
+                "dead server out; check health more often than the circuit reopens")))
+    return warnings

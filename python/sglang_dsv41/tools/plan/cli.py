@@ -40,6 +40,7 @@ from sglang_dsv41.tools.plan.checks import (
     classify_services,
     parse_master,
     parse_router,
+    pd_router_hang_warnings,
     used_gpus,
 )
 
@@ -267,6 +268,8 @@ def _plan(out: _Output, compose_files: list[str], profiles, compose_configs, opt
                         + " ".join(str(exc).split())[:300] + ")", 2)
 
     problems += check_plan(plan, services, options)
+    for warning in pd_router_hang_warnings(plan):  # a slow failure, not a broken deployment
+        out.note(f"WARNING {warning}")
     return out.report(plan, problems)
 
 
