@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     u.add_argument("--pinned", metavar="WHEEL|FOLDER|VERSION",
                    help="compare against this release instead of the installed pinned sglang")
     u.add_argument("--json", action="store_true", help="the report as JSON")
-    u.add_argument("--download-timeout", type=float, default=600, metavar="SECONDS")
+    u.add_argument("--download-timeout", default="600", metavar="SECONDS",
+                   help="seconds pip download may take, 1 to 86400 (default 600)")
     from sglang_dsv41.tools.smoke import add_arguments as add_smoke_arguments
 
     add_smoke_arguments(sub.add_parser(

@@ -14,12 +14,17 @@ pinned release against candidate.
 from __future__ import annotations
 
 import difflib
+import io
 import json
+import math
 import re
+import struct
 import subprocess
 import sys
 import tempfile
+import tokenize
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +35,7 @@ SAME, DRIFT, GONE = "same", "DRIFT", "GONE"
 
 _VERSION = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 LATEST = "latest"
+MAX_DOWNLOAD_TIMEOUT_S = 86400
 
 
 class BadInput(Exception):
@@ -37,6 +43,91 @@ class BadInput(Exception):
 
 
 # ---------------------------------------------------------------- opening a candidate
+#
+# A candidate comes from anywhere: every file is read up to a size cap, a
+# wheel's directory is sized before zipfile loads it, and source bytes are
+# decoded as Python decodes a module (PEP 263). Whatever cannot be read is
+# BadInput, one line naming the file.
+
+MAX_SOURCE_BYTES = 16 << 20  # sglang 0.5.23's largest source file is under 300 KiB
+MAX_WHEEL_MEMBERS = 200_000  # its wheel has about 10,500
+_END_OF_DIRECTORY = struct.Struct("<4s4H2LH")
+_ZIP64_END = struct.Struct("<4sQ2H2L4Q")
+
+
+def source_text(raw: bytes, where: str) -> str:
+    """Source bytes as Python reads a module: a BOM or a coding line, else UTF-8."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        return io.TextIOWrapper(io.BytesIO(raw), encoding).read()
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        why = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+        raise BadInput(f"{where}: not readable as Python source ({why})") from None
+
+
+class _CandidateReading:
+    """What a candidate tree adds to fingerprint's trees: parse failures that are
+    not SyntaxError (null bytes, nesting past the parser's limits) as BadInput."""
+
+    def parse(self, rel: str):
+        try:
+            return super().parse(rel)
+        except (ValueError, RecursionError, MemoryError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise BadInput(f"{self.label}: {rel}: Python cannot parse it ({why[:120]})") from None
+
+
+class CandidateFolder(_CandidateReading, fp.FolderTree):
+    def read_text(self, rel: str) -> str | None:
+        path = self.root / rel
+        if not path.is_file():
+            return None
+        try:
+            with path.open("rb") as handle:
+                raw = handle.read(MAX_SOURCE_BYTES + 1)
+        except OSError as exc:
+            raise BadInput(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        if len(raw) > MAX_SOURCE_BYTES:
+            raise BadInput(f"{path}: larger than {MAX_SOURCE_BYTES >> 20} MiB, not a source file")
+        return source_text(raw, str(path))
+
+
+class CandidateWheel(_CandidateReading, fp.WheelTree):
+    def read_text(self, rel: str) -> str | None:
+        try:
+            info = self._zip.getinfo(rel)
+        except KeyError:
+            return None
+        where = f"{self.path}: {rel}"
+        if info.file_size > MAX_SOURCE_BYTES:
+            raise BadInput(f"{where} inflates to {info.file_size} bytes, over the "
+                           f"{MAX_SOURCE_BYTES >> 20} MiB a source file may have")
+        try:
+            with self._zip.open(rel) as member:
+                raw = member.read(MAX_SOURCE_BYTES + 1)  # zipfile stops at the declared size
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError,
+                NotImplementedError, ValueError) as exc:  # corrupt, encrypted, unknown method
+            raise BadInput(f"{where}: cannot read the member ({' '.join(str(exc).split())[:160]})") from None
+        if len(raw) > MAX_SOURCE_BYTES:
+            raise BadInput(f"{where} inflates past {MAX_SOURCE_BYTES >> 20} MiB")
+        return source_text(raw, where)
+
+
+def _wheel_members(path: Path) -> int:
+    """How many members a zip's directory claims, read from its end record
+    (zipfile would build an object for each of them first)."""
+    with path.open("rb") as handle:
+        size = handle.seek(0, io.SEEK_END)
+        handle.seek(max(0, size - (1 << 16) - _END_OF_DIRECTORY.size))
+        tail = handle.read()
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or len(tail) - at < _END_OF_DIRECTORY.size:
+            raise BadInput(f"{path}: not a wheel (no zip directory at its end)")
+        members = _END_OF_DIRECTORY.unpack_from(tail, at)[4]
+        zip64 = tail.rfind(b"PK\x06\x06", 0, at)
+        if members == 0xFFFF and zip64 >= 0 and len(tail) - zip64 >= _ZIP64_END.size:
+            members = _ZIP64_END.unpack_from(tail, zip64)[6]
+    return members
 
 
 def _folder_tree(path: Path) -> fp.FolderTree:
@@ -44,7 +135,7 @@ def _folder_tree(path: Path) -> fp.FolderTree:
     # sglang package folder itself, or a source checkout (python/sglang).
     for root in (path, path.parent if path.name == "sglang" else None, path / "python"):
         if root is not None and (root / "sglang" / "__init__.py").is_file():
-            return fp.FolderTree(root)
+            return _with_package(CandidateFolder(root))
     raise BadInput(f"{path}: no sglang package inside (expected sglang/__init__.py)")
 
 
@@ -52,11 +143,24 @@ def _wheel_tree(path: Path) -> fp.WheelTree:
     if not zipfile.is_zipfile(path):
         raise BadInput(f"{path}: not a wheel (not a zip file)")
     try:
-        tree = fp.WheelTree(path)
-    except (zipfile.BadZipFile, OSError) as exc:
+        members = _wheel_members(path)
+        if members > MAX_WHEEL_MEMBERS:
+            raise BadInput(f"{path}: its directory lists {members} members, more than the "
+                           f"{MAX_WHEEL_MEMBERS} a wheel of sglang may have")
+        tree = CandidateWheel(path)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
         raise BadInput(f"{path}: cannot read the wheel: {exc}") from None
     if tree.text("sglang/__init__.py") is None:
         raise BadInput(f"{path}: no sglang package inside the wheel")
+    return _with_package(tree)
+
+
+def _with_package(tree: fp.SourceTree) -> fp.SourceTree:
+    """The tree, once its sglang/__init__.py parses: a package whose top cannot be read is not one."""
+    try:
+        tree.parse("sglang/__init__.py")
+    except fp.TargetNotFound as exc:
+        raise BadInput(f"{tree.label}: {exc}") from None
     return tree
 
 
@@ -97,7 +201,11 @@ def open_tree(spec: str, workdir: Path, timeout_s: float = 600) -> fp.SourceTree
 
 
 def describe(tree: fp.SourceTree) -> dict:
-    return {"version": tree.version() or "unknown", "source": tree.label}
+    try:
+        version = tree.version()
+    except fp.TargetNotFound as exc:  # a version file Python cannot parse
+        raise BadInput(f"{tree.label}: {exc}") from None
+    return {"version": version or "unknown", "source": tree.label}
 
 
 # ---------------------------------------------------------------- comparing one entry
@@ -318,13 +426,21 @@ def _default_pinned() -> fp.SourceTree:
 def main(args) -> int:
     """The CLI handler: 0 nothing drifted, 1 something did, 2 bad input."""
     try:
+        timeout_s = float(args.download_timeout)
+    except ValueError:
+        timeout_s = math.nan
+    if not 1 <= timeout_s <= MAX_DOWNLOAD_TIMEOUT_S:  # NaN fails this too
+        print(f"upgrade-check: --download-timeout {args.download_timeout!r}: expected seconds from 1 "
+              f"to {MAX_DOWNLOAD_TIMEOUT_S}", file=sys.stderr)
+        return 2
+    try:
         with tempfile.TemporaryDirectory(prefix="sglang-dsv41-upgrade-") as tmp:
             workdir = Path(tmp)
             if args.pinned:
-                pinned, use_table = open_tree(args.pinned, workdir, args.download_timeout), False
+                pinned, use_table = open_tree(args.pinned, workdir, timeout_s), False
             else:
                 pinned, use_table = _default_pinned(), True
-            candidate = open_tree(args.candidate, workdir, args.download_timeout)
+            candidate = open_tree(args.candidate, workdir, timeout_s)
             report = build_report(pinned, candidate, use_table=use_table)
     except BadInput as exc:
         print(f"upgrade-check: {exc}", file=sys.stderr)
