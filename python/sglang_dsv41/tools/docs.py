@@ -84,7 +84,11 @@ def render() -> str:
 def patches_doc_cmd(args) -> int:
     text = render()
     if args.write:
-        Path(args.write).write_text(text)
+        try:
+            Path(args.write).write_text(text)
+        except OSError as exc:  # a missing folder, a folder in its place, no permission
+            print(f"patches-doc: cannot write {args.write}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.write}")
     else:
         sys.stdout.write(text)
@@ -104,6 +108,10 @@ def settings_doc_cmd(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"settings-doc: cannot update {path}: {exc}", file=sys.stderr)
         return 2
-    path.write_text(updated)
+    try:
+        path.write_text(updated)
+    except OSError as exc:
+        print(f"settings-doc: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"wrote the runtime-switches table in {path}")
     return 0
