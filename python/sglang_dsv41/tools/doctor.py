@@ -99,7 +99,7 @@ def _foreign_hook_findings() -> list[tuple[str, str]]:
 class Finding:
     """One line of ``doctor``: the same record behind its text and its JSON."""
 
-    check: str  # sglang-pin | patch | internal | entry-point | plugin-filter | platform-filter | foreign-plugin
+    check: str  # sglang-pin | patch | internal | entry-point | plugin-filter | platform-filter | foreign-plugin | setting | kv-staging
     status: str  # ok | fail | warn
     message: str
     patch_id: str | None = None
@@ -152,6 +152,33 @@ def doctor_findings() -> list[Finding]:
                                 "internals the tooling uses match their fingerprints"))
     for verdict, text in _entry_point_findings() + _foreign_hook_findings():
         findings.append(Finding(_check_of(text), _STATUS_OF[verdict], text))
+    return findings + setting_findings()
+
+
+def setting_findings() -> list[Finding]:
+    """The plugin's settings this environment sets, each read with the function
+    the runtime reads it with, so a value doctor passes is one the server takes."""
+    from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV, parse_cp_bcg_setting
+    from sglang_dsv41.owner_broadcast.routing import ENV_MIN_SAVING, ENV_MODE, ENV_PER_IMAGE_COST, RoutingPolicy
+
+    environ = os.environ
+    findings = []
+    if CP_BCG_ENV in environ:
+        try:
+            on = parse_cp_bcg_setting(environ[CP_BCG_ENV])
+            findings.append(Finding("setting", "ok", f"{CP_BCG_ENV}={environ[CP_BCG_ENV]!r}: the DeepSeek-V4 "
+                                    f"CP breakable prefill graph {'on where supported' if on else 'off'}"))
+        except ValueError as exc:
+            findings.append(Finding("setting", "fail", f"{exc}: the server would stop at plugin load"))
+    owner = [name for name in (ENV_MODE, ENV_PER_IMAGE_COST, ENV_MIN_SAVING) if name in environ]
+    if owner:
+        try:
+            policy = RoutingPolicy.from_env(environ)
+            text = "off" if policy is None else (f"{policy.mode}, per-image cost {policy.per_image_cost}, "
+                                                 f"minimum saving {policy.min_saving}")
+            findings.append(Finding("setting", "ok", f"vision owner-broadcast ({', '.join(owner)}): {text}"))
+        except ValueError as exc:
+            findings.append(Finding("setting", "fail", f"{exc}: a vision model's build would stop"))
     staging = _kv_staging_finding()
     if staging is not None:
         findings.append(staging)
