@@ -12,10 +12,14 @@
 #       compares two servers you started yourself the same way.
 #
 # Passes (exit 0) when every prompt's greedy (temperature 0) output tokens are equal on
-# both servers and, when it started them, the opt-in server logged that it captured the
-# CP breakable graph and the eager one did not. Prints the median time to first token of
-# both and their ratio (opt-in / eager; below 1 is faster). Exit 1: a mismatch or a
-# server that did not come up; exit 2: bad input.
+# both servers, when both run speculative decoding (DSpark flags in EXTRA_ARGS) the
+# draft's acceptance length under the graph is at most 2% below eager's (greedy tokens
+# cannot show corrupted draft inputs: the target verifies every draft token), and, when
+# it started them, the opt-in server logged that it captured the CP breakable graph and
+# the eager one did not. Prints the median time to first token of both and their ratio
+# (opt-in / eager; below 1 is faster), the acceptance lengths, and on a passing DSpark
+# run the SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED value a DSpark server under the opt-in
+# needs. Exit 1: a mismatch or a server that did not come up; exit 2: bad input.
 #
 # Settings (environment):
 #   PORT            first port (default 31000; the opt-in server uses PORT+1)
@@ -58,8 +62,8 @@ else
   [[ -d $model_path ]] || die_usage "MODEL_PATH '$model_path' is not a directory"
   is_uint "$tp" && [[ $tp -ge 2 ]] || die_usage "TP must be an integer >= 2, got '$tp'"
   command -v sglang >/dev/null || die_usage "the 'sglang' command is not on PATH"
-  "$python_bin" -c "import sglang_dsv41" 2>/dev/null || die_usage "$python_bin cannot import sglang_dsv41"
 fi
+"$python_bin" -c "import sglang_dsv41" 2>/dev/null || die_usage "$python_bin cannot import sglang_dsv41"
 
 log_dir=$(mktemp -d -t verify-cp-bcg.XXXXXX)
 server_pid=""
@@ -100,6 +104,7 @@ def measure(words):
     with post({"text": text, "sampling_params": sampling}) as response:
         reply = json.loads(response.read())
     tokens = reply.get("output_ids")
+    meta = reply.get("meta_info") or {}
     ttfts = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -113,8 +118,10 @@ def measure(words):
                 pass
     if not ttfts:
         raise OSError("the streamed reply was empty")
+    # Speculative servers report their verify steps; tokens per step is the acceptance length.
     return {"words": words, "output_ids": tokens, "text": reply.get("text"),
-            "ttft_s": statistics.median(ttfts)}
+            "completion_tokens": meta.get("completion_tokens"),
+            "spec_verify_ct": meta.get("spec_verify_ct"), "ttft_s": statistics.median(ttfts)}
 
 try:
     result["prompts"] = [measure(words) for words in lengths]
@@ -128,8 +135,11 @@ PY
 launch_and_measure() {  # NAME SETTING PORT OUT_JSON
   local name=$1 setting=$2 server_port=$3 out=$4 log="$log_dir/$1.log"
   echo "verify-cp-bcg: starting the $name server (SGLANG_DSV41_CP_BCG=$setting), log $log"
+  # The opt-in server is the measurement a DSpark server under the opt-in waits for.
+  local verified=""
+  [[ $setting == 1 ]] && verified=measure
   # shellcheck disable=SC2086  # EXTRA_ARGS is word-split on purpose
-  SGLANG_DSV41_CP_BCG=$setting setsid sglang serve --model-path "$model_path" --tp "$tp" \
+  SGLANG_DSV41_CP_BCG=$setting SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED=$verified setsid sglang serve --model-path "$model_path" --tp "$tp" \
     --enable-prefill-cp --cp-strategy interleave --language-model-only \
     --host 127.0.0.1 --port "$server_port" ${EXTRA_ARGS:-} >"$log" 2>&1 &
   server_pid=$!
@@ -167,8 +177,22 @@ fi
 
 "$python_bin" - "$eager_json" "$bcg_json" "$result_file" <<'PY'
 import json, statistics, sys
+from importlib.metadata import version
+
+from sglang_dsv41.cp_bcg.setting import (
+    ACCEPTANCE_TOLERANCE, DSPARK_VERIFIED_ENV, acceptance_holds, dspark_verification_value)
 
 eager, bcg = (json.load(open(p)) for p in sys.argv[1:3])
+
+
+def acceptance(run):
+    """Tokens per verify step over every prompt; None without speculative decoding."""
+    steps = [p.get("spec_verify_ct") for p in run["prompts"]]
+    if not all(isinstance(s, int) and s > 0 for s in steps):
+        return None
+    return sum(p["completion_tokens"] for p in run["prompts"]) / sum(steps)
+
+
 rows, equal_all = [], True
 for a, b in zip(eager["prompts"], bcg["prompts"]):
     same = a["output_ids"] == b["output_ids"] if a["output_ids"] is not None else a["text"] == b["text"]
@@ -182,9 +206,27 @@ bcg_median = statistics.median(r["bcg_ttft_s"] for r in rows)
 ratio = bcg_median / eager_median
 print(f"median TTFT eager {eager_median * 1000:.1f} ms, opt-in {bcg_median * 1000:.1f} ms, "
       f"ratio (opt-in / eager) {ratio:.3f}")
-json.dump({"tokens_equal": equal_all, "ttft_ratio": ratio, "prompts": rows},
+accept_eager, accept_graph = acceptance(eager), acceptance(bcg)
+verified = None
+if accept_eager is None and accept_graph is None:
+    accept_ok, accept_note = True, "acceptance length not measured (no speculative decoding)"
+elif accept_eager is None or accept_graph is None:
+    accept_ok, accept_note = False, "only one server reports speculative decoding"
+else:
+    accept_ok = acceptance_holds(accept_eager, accept_graph)
+    accept_note = (f"acceptance length eager {accept_eager:.3f}, opt-in {accept_graph:.3f} "
+                   f"({'within' if accept_ok else 'more than'} {ACCEPTANCE_TOLERANCE:.0%} below)")
+    if equal_all and accept_ok:
+        verified = dspark_verification_value(version("sglang"), accept_eager, accept_graph)
+print(accept_note)
+passed = equal_all and accept_ok
+json.dump({"tokens_equal": equal_all, "ttft_ratio": ratio,
+           "acceptance": {"eager": accept_eager, "opt_in": accept_graph, "passed": accept_ok},
+           "dspark_verified": verified, "prompts": rows},
           open(sys.argv[3], "w"), indent=1)
-print(("PASS" if equal_all else "FAIL") + f": greedy tokens {'equal' if equal_all else 'differ'}; "
-      f"result in {sys.argv[3]}")
-sys.exit(0 if equal_all else 1)
+print(("PASS" if passed else "FAIL") + f": greedy tokens {'equal' if equal_all else 'differ'}; "
+      f"{accept_note}; result in {sys.argv[3]}")
+if verified is not None:
+    print(f"{DSPARK_VERIFIED_ENV}={verified}")
+sys.exit(0 if passed else 1)
 PY

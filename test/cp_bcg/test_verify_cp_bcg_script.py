@@ -57,8 +57,12 @@ def test_bcg_verify_script_bad_input_is_one_line_and_exit_2(args, env, message):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-def _stand_in_server(differ_on: str | None):
-    """/generate: greedy ids derived from the prompt; streamed replies in SSE lines."""
+def _stand_in_server(differ_on: str | None, accept: float | None = None):
+    """/generate: greedy ids derived from the prompt; streamed replies in SSE lines.
+
+    ``accept``: answer as a speculative server whose draft accepts that many tokens
+    per verify step (sglang's meta_info fields), else as one without speculation.
+    """
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -76,7 +80,10 @@ def _stand_in_server(differ_on: str | None):
                 self.wfile.write(b"data: " + json.dumps({"text": "x"}).encode() + b"\n\n")
                 self.wfile.write(b"data: [DONE]\n\n")
             else:
-                self.wfile.write(json.dumps({"text": "t", "output_ids": ids}).encode())
+                meta = {"completion_tokens": 30}
+                if accept is not None:
+                    meta["spec_verify_ct"] = round(30 / accept)
+                self.wfile.write(json.dumps({"text": "t", "output_ids": ids, "meta_info": meta}).encode())
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -114,3 +121,52 @@ def test_bcg_verify_script_unreachable_server_is_one_line_and_exit_1(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("verify-cp-bcg: FAIL http://127.0.0.1:9/generate")
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("eager_accept, graph_accept, passes", [
+    (3.0, 3.0, True),      # the same acceptance: the value to set is printed
+    (3.0, 2.0, False),     # the graph feeds the draft something else: equal tokens, fewer accepted
+    (3.0, None, False),    # only one server speculates: not a comparison
+])
+def test_bcg_verify_script_compares_the_drafts_acceptance_length(tmp_path, eager_accept, graph_accept, passes):
+    from sglang_dsv41.cp_bcg.setting import DSPARK_VERIFIED_ENV, dspark_verification_problem
+
+    eager, eager_url = _stand_in_server(None, eager_accept)
+    bcg, bcg_url = _stand_in_server(None, graph_accept)
+    result = tmp_path / "result.json"
+    try:
+        proc = run_script("--urls", eager_url, bcg_url, env={"RESULT_FILE": str(result)})
+    finally:
+        eager.shutdown()
+        bcg.shutdown()
+    saved = json.loads(result.read_text())
+    assert saved["tokens_equal"] is True, proc.stdout
+    assert saved["acceptance"]["passed"] is passes
+    verified = [line for line in proc.stdout.splitlines() if line.startswith(DSPARK_VERIFIED_ENV + "=")]
+    if passes:
+        assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
+        assert "acceptance length eager 3.000, opt-in 3.000" in proc.stdout
+        (line,) = verified
+        value = line.split("=", 1)[1]
+        assert value == saved["dspark_verified"]
+        # The value the launch guard accepts on this sglang release.
+        from sglang_dsv41.plugin.pin import PINNED_SGLANG_VERSION
+        assert dspark_verification_problem(value, PINNED_SGLANG_VERSION) is None
+    else:
+        assert proc.returncode == 1 and "FAIL" in proc.stdout and not verified, proc.stdout
+        assert saved["dspark_verified"] is None
+
+
+@pytest.mark.timeout(120)
+def test_bcg_verify_script_without_speculation_says_acceptance_was_not_measured(tmp_path):
+    eager, eager_url = _stand_in_server(None)
+    bcg, bcg_url = _stand_in_server(None)
+    try:
+        proc = run_script("--urls", eager_url, bcg_url, env={"RESULT_FILE": str(tmp_path / "r.json")})
+    finally:
+        eager.shutdown()
+        bcg.shutdown()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "acceptance length not measured (no speculative decoding)" in proc.stdout
+    assert "SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED=" not in proc.stdout

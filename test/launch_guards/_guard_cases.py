@@ -43,6 +43,9 @@ CP4 = ["--tp", "4", "--ep-size", "4", "--enable-prefill-cp", "--cp-strategy", "i
 REPLAY = ["--enable-decoder-swa-bounded-replay"]
 BREAKABLE = ["--cuda-graph-backend-prefill", "breakable"]
 OPT_IN = {"SGLANG_DSV41_CP_BCG": "1"}
+# What verify-cp-bcg.sh prints for a passing acceptance comparison, and a failing one.
+VERIFIED = {**OPT_IN, "SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED": "0.5.23:3.400:3.390"}
+VERIFIED_LOWER = {**OPT_IN, "SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED": "0.5.23:3.400:2.100"}
 
 # name -> (argv after --model-path, extra environment)
 ARGV_CASES = {
@@ -69,6 +72,11 @@ ARGV_CASES = {
                                 '{"prefill": {"backend": "breakable"}}'], {}),
     "cp_text_full": ([TEXT, *CP4, "--cuda-graph-backend-prefill", "full"], {}),
     "cp_text_full_opt_in": ([TEXT, *CP4, "--cuda-graph-backend-prefill", "full"], OPT_IN),
+    # DSpark under the opt-in's CP breakable graph: only after its acceptance comparison.
+    "cp_dspark_text_opt_in": ([TEXT, *CP4, *DSPARK], OPT_IN),
+    "cp_dspark_text_opt_in_verified": ([TEXT, *CP4, *DSPARK], VERIFIED),
+    "cp_dspark_text_opt_in_lower_acceptance": ([TEXT, *CP4, *DSPARK], VERIFIED_LOWER),
+    "cp_dspark_vision_opt_in": ([VISION, *CP4, *DSPARK], OPT_IN),
 }
 
 # The Engine API path: keyword arguments straight into ServerArgs.

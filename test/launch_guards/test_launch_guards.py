@@ -52,6 +52,18 @@ UNREPLAYED_PREFILL_GRAPH = {
 }
 KNOWN_GOOD = ["dp_no_dspark", "tp_dspark", "cp_dspark_text", "cp_text", "tp_breakable",
               "dp_dspark_replay_off", "cp_text_breakable_opt_in"]
+DSPARK_UNVERIFIED = {
+    "cp_dspark_text_opt_in": "(SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED is not set)",
+    "cp_dspark_text_opt_in_lower_acceptance": "records an acceptance length of 2.1 under the graph against 3.4 eager",
+}
+# Resolved under the opt-in with DSpark: the graph once verified; eager with a vision tower.
+DSPARK_OPT_IN_RESOLVED = {"cp_dspark_text_opt_in_verified": "breakable", "cp_dspark_vision_opt_in": "disabled"}
+# Every shipped topology with the opt-in and text-only CP servers (the .env knobs).
+OPT_IN_ENV = {"SGLANG_DSV41_CP_BCG": "1", **{knob: "--language-model-only" for knob in (
+    "CP_EXTRA_ARGS", "CP_DSPARK_EXTRA_ARGS", "CP_L3_EXTRA_ARGS", "CP2_EXTRA_ARGS")}}
+VERIFIED_VALUE = "0.5.23:3.400:3.390"
+# The text-only CP + DSpark servers (the PD prefill of pd-1p1d.yml is one already).
+CP_DSPARK_SERVERS = {"cp-dspark.yml": 1, "cp-dspark-l3.yml": 1, "cp-instances.yml": 4, "pd-1p1d.yml": 1}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +82,8 @@ def checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-def _run_cases(request: dict, plugins: str | None) -> dict:
-    env = dict(COMPOSE_ENV)
+def _run_cases(request: dict, plugins: str | None, extra_env: dict | None = None) -> dict:
+    env = {**COMPOSE_ENV, **(extra_env or {})}
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins
     script = str(HERE / "_guard_cases.py")
@@ -99,6 +111,21 @@ def with_plugin(checkpoints) -> dict:
 @pytest.fixture(scope="module")
 def stock(checkpoints) -> dict:
     return _run_cases(dict(checkpoints), "not_dsv41")
+
+
+def _shipped_with(checkpoints, extra_env: dict) -> dict:
+    request = {**checkpoints, "argv_cases": [], "kwarg_cases": False, "compose": [str(p) for p in SHIPPED]}
+    return _run_cases(request, None, extra_env)
+
+
+@pytest.fixture(scope="module")
+def shipped_opt_in(checkpoints) -> dict:
+    return _shipped_with(checkpoints, OPT_IN_ENV)
+
+
+@pytest.fixture(scope="module")
+def shipped_opt_in_verified(checkpoints) -> dict:
+    return _shipped_with(checkpoints, {**OPT_IN_ENV, "SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED": VERIFIED_VALUE})
 
 
 # --------------------------------------------------------------------------- replay
@@ -165,6 +192,57 @@ def test_breakable_under_cp_passes_with_the_opt_in(with_plugin):
     assert ours["guard"] == NOTHING
 
 
+# --------------------------------------------------------------------------- DSpark under the CP graph
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(DSPARK_UNVERIFIED))
+def test_dspark_under_the_cp_graph_opt_in_is_refused_until_its_acceptance_is_verified(with_plugin, stock, name):
+    ours = with_plugin[name]
+    assert not ours["ok"] and ours["error"] is None, ours
+    refusal = ours["refusal"]
+    assert refusal.startswith(REFUSAL + "SGLANG_DSV41_CP_BCG=1 puts DeepSeek-V4 prefill CP with DSpark")
+    assert "\n" not in refusal and DSPARK_UNVERIFIED[name] in refusal
+    # The way out: the verification, or eager CP prefill.
+    assert "run deploy/b300-build/verify-cp-bcg.sh" in refusal and refusal.endswith(
+        "or unset SGLANG_DSV41_CP_BCG (eager CP prefill)")
+    assert stock[name]["ok"] and stock[name]["prefill_backend"] == "disabled"  # stock: eager, no opt-in
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(DSPARK_OPT_IN_RESOLVED))
+def test_dspark_under_the_opt_in_resolves_where_verified_or_eager(with_plugin, name):
+    ours = with_plugin[name]
+    assert ours["ok"] and ours["guard"] == NOTHING, ours
+    assert ours["prefill_backend"] == DSPARK_OPT_IN_RESOLVED[name] and ours["attn_cp"] == 4
+
+
+def _agreeing_verdicts(result) -> dict[str, str]:
+    serve, plan = result["serve"], _plan_verdicts(result["plan_output"])
+    assert serve and plan == serve, result["plan_output"]
+    return serve
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_plan_and_serve_agree_on_dspark_under_the_cp_graph_opt_in(shipped_opt_in, path):
+    result = shipped_opt_in["compose:" + path.name]
+    verdicts = _agreeing_verdicts(result)
+    refused = [v for v in verdicts.values() if v.startswith("refused")]
+    assert len(refused) == CP_DSPARK_SERVERS.get(path.name, 0), verdicts
+    assert all("SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED is not set" in v for v in refused), refused
+    assert result["plan_rc"] == (1 if refused else 0), result["plan_output"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_plan_and_serve_agree_once_the_acceptance_is_verified(shipped_opt_in_verified, path):
+    result = shipped_opt_in_verified["compose:" + path.name]
+    verdicts = _agreeing_verdicts(result)
+    assert not any(v.startswith("refused") for v in verdicts.values()), verdicts
+    assert result["plan_rc"] == 0, result["plan_output"]
+
+
 # --------------------------------------------------------------------------- neighbours and stock
 
 
@@ -206,8 +284,9 @@ def test_guard_judges_the_final_resolved_values(with_plugin):
                 assert final.pop("decoder_swa_bounded_replay") is False
             assert at_guard == final, name
             judged += 1
-    # Every argv case that resolved: the neighbours and the two implicit-replay argv cases.
-    assert judged == len(KNOWN_GOOD) + 2
+    # Every argv case that resolved: the neighbours, the two implicit-replay argv cases
+    # and DSpark under the opt-in where it resolves.
+    assert judged == len(KNOWN_GOOD) + 2 + len(DSPARK_OPT_IN_RESOLVED)
 
 
 # --------------------------------------------------------------------------- plan == serve

@@ -10,6 +10,7 @@ speculative decoding), and nothing after it changes those values.
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang_dsv41.launch_guards.rules import (
     CrashFeatures,
@@ -17,6 +18,7 @@ from sglang_dsv41.launch_guards.rules import (
     GuardVerdict,
     launch_verdict,
 )
+from sglang_dsv41.cp_bcg.setting import DSPARK_VERIFIED_ENV
 from sglang_dsv41.launch_guards.verdict import VERDICT_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ def crash_features(server_args) -> CrashFeatures | None:
         prefill_graph_requested=(Phase.PREFILL, "backend") in locked,
         cp_graph_supported=bool(prefill_cp and supports_prefill_cp_bcg(server_args)),
         cp_graph_opt_in=_cp_bcg_enabled(),
+        dspark_cp_graph_verified=os.environ.get(DSPARK_VERIFIED_ENV),
     )
 
 

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 # Under the CP breakable-graph opt-in an explicit breakable prefill graph with
 # prefill CP is replayed, so the guard lets it through.
-from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV
+from sglang_dsv41.cp_bcg.setting import (
+    CP_BCG_ENV,
+    DSPARK_VERIFIED_ENV,
+    dspark_verification_problem,
+)
+from sglang_dsv41.plugin.pin import PINNED_SGLANG_VERSION
 
 REPLAY_FLAG = "--enable-decoder-swa-bounded-replay"
 NO_REPLAY_FLAG = "--no-enable-decoder-swa-bounded-replay"
@@ -54,6 +59,7 @@ class CrashFeatures:
     # (layers.cp.bcg.supports_prefill_cp_bcg).
     cp_graph_supported: bool = False
     cp_graph_opt_in: bool = False  # CP_BCG_ENV=1
+    dspark_cp_graph_verified: str | None = None  # DSPARK_VERIFIED_ENV as set
 
     @property
     def prefill_cp(self) -> bool:
@@ -87,6 +93,7 @@ class GuardVerdict:
 REPLAY_UNDER_CP = "prefill CP + DSpark + decoder SWA bounded replay"
 REPLAY_UNDER_DP_ATTENTION = "DP attention + DSpark + decoder SWA bounded replay"
 UNREPLAYED_CP_PREFILL_GRAPH = "prefill CUDA graph that prefill CP never replays"
+UNVERIFIED_DSPARK_CP_GRAPH = "CP breakable prefill graph + DSpark, draft acceptance not verified"
 
 _REPLAY_CRASHES = {
     REPLAY_UNDER_CP: (
@@ -123,6 +130,20 @@ def _unreplayed_prefill_graph(f: CrashFeatures) -> bool:
     return f.prefill_graph_backend != "disabled"
 
 
+def _unverified_dspark_cp_graph(f: CrashFeatures) -> str | None:
+    """Why DSpark may not run under the opt-in's CP breakable prefill graph, or None.
+
+    Upstream kept the breakable prefill graph off for DeepSeek-V4 with speculative
+    decoding because replay corrupted the hidden states the draft reads. Greedy
+    tokens cannot show that (the target verifies every draft token); the draft's
+    acceptance length can, so only a passing comparison of it lets this through.
+    """
+    if not (f.dspark and f.prefill_cp and f.cp_graph_opt_in and f.cp_graph_supported
+            and f.prefill_graph_backend == "breakable"):
+        return None
+    return dspark_verification_problem(f.dspark_cp_graph_verified, PINNED_SGLANG_VERSION)
+
+
 def launch_verdict(f: CrashFeatures) -> GuardVerdict:
     """What the launch guard does with this resolved server."""
     verdict = _verdict(f)
@@ -142,6 +163,17 @@ def _verdict(f: CrashFeatures) -> GuardVerdict:
             f"(--cuda-graph-backend-prefill {backend}) under DeepSeek-V4 prefill context "
             "parallelism would be captured and never replayed (sglang runs every CP batch "
             f"eagerly), costing memory and start-up time for nothing; {way_out}",
+        )
+    unverified = _unverified_dspark_cp_graph(f)
+    if unverified is not None:
+        return GuardVerdict(
+            GuardAction.REFUSE,
+            UNVERIFIED_DSPARK_CP_GRAPH,
+            f"{LOG_PREFIX} refusing to start: {CP_BCG_ENV}=1 puts DeepSeek-V4 prefill CP with "
+            "DSpark in the breakable prefill graph, whose replay has not been shown to feed the "
+            f"draft the hidden states eager prefill does ({unverified}); run "
+            "deploy/b300-build/verify-cp-bcg.sh with the DSpark flags in EXTRA_ARGS and set "
+            f"{DSPARK_VERIFIED_ENV} to the value it prints, or unset {CP_BCG_ENV} (eager CP prefill)",
         )
     rule = _replay_rule(f)
     if rule is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_dsv41.plugin.pin import ALLOW_DRIFT_ENV
-from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV
+from sglang_dsv41.cp_bcg.setting import ACCEPTANCE_TOLERANCE, CP_BCG_ENV, DSPARK_VERIFIED_ENV, MEASURING
 from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
     ACK_TIMEOUT_ENV,
     DEFAULT_ACK_TIMEOUT_S,
@@ -70,6 +70,11 @@ SETTINGS: tuple[Setting, ...] = (
         names=(CP_BCG_ENV,),
         default="0",
         meaning="`1`: DeepSeek-V4 text prefill with interleave CP (`--enable-prefill-cp --cp-strategy interleave`, attention CP = TP, PP 1, no DP attention, EP 1 or TP, no decoder SWA bounded replay, no vision tower unless `--language-model-only`) runs in the breakable prefill CUDA graph instead of eagerly; the resolved `cuda_graph_config.prefill.backend` becomes `breakable` unless set explicitly. Unset or `0` (default): stock behaviour. Any other value stops the server at plugin load. **Unverified on GPU**: capture and replay have not run; until `deploy/b300-build/verify-cp-bcg.sh MODEL_PATH [TP]` has passed on a B300 node, keep it off in production. To report a run, attach the script's output and its `verify-cp-bcg-result.json` (tokens equal, TTFT ratio) together with the image tag and TP to an issue",
+    ),
+    Setting(
+        names=(DSPARK_VERIFIED_ENV,),
+        default="unset",
+        meaning=f"With `{CP_BCG_ENV}=1`, a DSpark server whose CP prefill would run in the breakable graph refuses to start (one line) unless this holds the value `deploy/b300-build/verify-cp-bcg.sh` prints after comparing the draft's acceptance length eager against graph (`<sglang release>:<eager>:<graph>`, passing when the graph's is at most {ACCEPTANCE_TOLERANCE:.0%} lower) on this sglang release. Greedy tokens cannot show a corrupted draft input (the target verifies every draft token); the acceptance length can. `{MEASURING}` is what the script's own opt-in server runs with, never a deployment",
     ),
     Setting(
         names=("SGLANG_PLUGINS",),
