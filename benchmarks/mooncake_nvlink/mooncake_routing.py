@@ -467,7 +467,11 @@ def peer_transport(args):
     if args.mode == "gpu":
         from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
 
-        return peer_copy.CudaIpcTransport(batch_copy_for(args.gpu, prefer=args.staging_copy), args.gpu)
+        copier = batch_copy_for(args.gpu, prefer=args.staging_copy)
+        if args.peer_launcher == "uploaded":  # the Triton kernel with its table uploaded, nothing native
+            copier.use_native_writer(False)
+            copier.use_table_as_parameter(False)
+        return peer_copy.CudaIpcTransport(copier, args.gpu)
     return peer_copy.HostCmaTransport()
 
 
@@ -648,7 +652,8 @@ def run_dsv41_sender(args) -> None:
         import numpy as np
 
         from sglang_dsv41.mooncake_nvlink.routing import KindTable
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerWrites, bind_layout, send_paged_batch
+        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (PAGED_NARROW_ROWS, PagedLayout, PeerWrites, bind_layout,
+                                                                 send_paged_batch)
 
         kinds = KindTable(plan.classified, memory.kind_of)
 
@@ -656,8 +661,9 @@ def run_dsv41_sender(args) -> None:
             """As the plugin's page path: each send call from its page lists, else its blocks as ``peer``."""
             def run():
                 for bound, src_pages, dst_pages, blocks in paged:
-                    out = send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
-                    if out.fallback is None:
+                    out = (send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
+                           if bound is not None else None)  # None: rows the page path leaves to blocks
+                    if out is not None and out.fallback is None:
                         peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
                         continue
                     rc = peer_path(blocks)
@@ -669,10 +675,11 @@ def run_dsv41_sender(args) -> None:
         held = PeerWrites()
         copier = getattr(transport, "copier", None)
 
-        def held_request(paged):
+        def held_request(paged, kv_calls):
             """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
-            last chunk's KV and the state calls held and written as one batch (before the status)."""
-            earlier, last = paged[:-3], paged[-3:]  # a request ends with its last KV call and two state calls
+            last chunk's KV and the state calls held and written as one batch (before the status);
+            a call the page path leaves to blocks (narrow rows) goes at once, as its blocks."""
+            earlier, last = paged[:kv_calls - 1], paged[max(kv_calls - 1, 0):]
             run_earlier = pages_request(earlier)
 
             def run():
@@ -681,7 +688,13 @@ def run_dsv41_sender(args) -> None:
                 if rc != 0:
                     return rc
                 t1 = time.perf_counter()
-                for bound, src_pages, dst_pages, _ in last:
+                for bound, src_pages, dst_pages, blocks in last:
+                    if bound is None:
+                        rc = peer_path(blocks)
+                        if rc != 0:
+                            held.discard()
+                            return rc
+                        continue
                     why_not = held.add_pages(bound, src_pages, dst_pages)
                     if why_not is not None:
                         held.discard()
@@ -722,16 +735,17 @@ def run_dsv41_sender(args) -> None:
         if peer_path is not None:
             paths["peer"] = request(peer_path, batches)
             # the layouts the plugin learns and checks once per kind of call, and sglang's int32 page arrays
-            paged = []
+            paged, kv_calls = [], 0
             for (bufs, items, sp, dp), blocks in zip(dsv41_paged_calls(tokens, layout), batches):
+                kv_calls += bufs[0] == 0  # the KV buffers come first in the index space
                 bound, why_not = bind_layout(
                     PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
                     target, kinds.device_bytes_from)
-                if bound is None:
+                if bound is None and why_not != PAGED_NARROW_ROWS:
                     raise RuntimeError(f"{name}: the page path cannot serve a call of this request: {why_not}")
                 paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks))
             paths["pages"] = pages_request(paged)
-            paths["held"] = held_request(paged)
+            paths["held"] = held_request(paged, kv_calls)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
         samples = {k: [] for k in paths}
@@ -989,6 +1003,7 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
         common.append("--no-staging")
     if args.staging_copy:
         common += ["--staging-copy", args.staging_copy]
+    common += ["--peer-launcher", args.peer_launcher]
     if args.staging_probe:
         common.append("--staging-probe")
     if args.staging_null_scatter:
@@ -1050,10 +1065,12 @@ def main() -> None:
                    "(no GPU work on the receiver; the staged path is then not byte-exact and not checked)")
     p.add_argument("--staging-probe", action="store_true",
                    help="dsv41: after the cases, time each piece of the staged path alone")
-    p.add_argument("--staging-copy", choices=["triton", "memcpy-async", "memcpy-batch"], default=None,
+    p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
                    help="dsv41, GPU: the batched copy's backend of the staged and peer paths "
                    "(default: triton when importable)")
     p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")
+    p.add_argument("--peer-launcher", choices=["auto", "uploaded"], default="auto",
+                   help="dsv41, GPU: how peer writes launch (uploaded: the Triton kernel alone)")
     p.add_argument("--peer-min-blocks", type=int, default=None,
                    help="dsv41: fewest device blocks a batch needs for a peer write (default: "
                    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS's default under SGLANG_DSV41_KV_STAGING=peer)")

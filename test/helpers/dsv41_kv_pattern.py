@@ -3,7 +3,10 @@
 The geometry (buffers, page sizes, the send calls of one request as sglang
 0.5.23's DeepSeek-V4 pool makes them) is described in
 benchmarks/mooncake_nvlink/mooncake_routing.py's docstring; tests and
-benchmarks share this one copy.
+benchmarks share this one copy. It is the shipped configuration: DSpark on
+(every PD topology passes `--speculative-dspark-block-size 5`, six draft
+tokens), so a request's last chunk also sends the draft's sliding-window pages
+(two draft layers) and its 8-byte request row (``swa_valid_from``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ DSV41_SLIDING_WINDOW = 128
 DSV41_KV_ITEM_BYTES = (73728, 17408, 36864, 36864, 36864, 8704, 8704, 8704)
 DSV41_SWA_LAYERS = 43
 DSV41_SWA_ITEM_BYTES = 135168
-DSV41_REQUEST_STATE_ITEM_BYTES = (8192, 8192, 8192)
+# With six draft tokens the request-state rings hold 8 rows instead of 2. sglang sends
+# them only for an odd prompt length (none of the cases below): they are sized, not sent.
+DSV41_REQUEST_STATE_ITEM_BYTES = (32768, 32768, 32768)
+DSV41_DRAFT_SWA_LAYERS = 2  # the DSpark draft: one layer per target layer it reads
+DSV41_REQUEST_ROW_ITEM_BYTES = 8  # the draft's int64 swa_valid_from, one row per request slot
 DSV41_CHUNK_TOKENS = 16384
 # (name, prompt tokens, page layout); prompt 0 = the state calls alone
 DSV41_CASES = (
@@ -25,12 +32,15 @@ DSV41_CASES = (
     ("32k fragmented", 32768, "fragmented"),
     ("state alone", 0, "contiguous"),
 )
-# Buffer index space shared by both sides: KV, then sliding-window state, then
-# request state, then one flat buffer for the contiguous write.
+# Buffer index space shared by both sides: KV, then sliding-window state, request
+# state, the draft's sliding-window state, its request row, then one flat buffer for
+# the contiguous write.
 _KV0 = 0
 _SWA0 = _KV0 + len(DSV41_KV_ITEM_BYTES)
 _REQ0 = _SWA0 + DSV41_SWA_LAYERS
-FLAT_BUFFER = _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES)
+_DRAFT_SWA0 = _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES)
+_ROW0 = _DRAFT_SWA0 + DSV41_DRAFT_SWA_LAYERS
+FLAT_BUFFER = _ROW0 + 1
 _SRC_FIRST_PAGE, _DST_FIRST_PAGE = 1, 2  # page 0 is the pools' reserved page
 _SWA_PAGES, _REQUEST_SLOTS = 4, 64
 
@@ -77,13 +87,20 @@ def dsv41_paged_calls(tokens: int, layout: str, chunk_tokens: int = DSV41_CHUNK_
         calls.append((kv, DSV41_KV_ITEM_BYTES, src_ids[start:start + chunk_pages],
                       dst_ids[start:start + chunk_pages]))
     # Sliding-window state: the window's pages of every layer (ring pages of the
-    # SWA pool, unrelated to the KV page ids), then the request-state rows.
+    # SWA pool, unrelated to the KV page ids); the draft's sliding window sends the
+    # same page lists; the request state only for an odd prompt length; then the
+    # draft's request row (the request's slot on each side).
     window_first = max(tokens - DSV41_SLIDING_WINDOW, 0) // DSV41_PAGE_TOKENS
     window_pages = max(pages - window_first, 1)
+    window_src, window_dst = list(range(1, 1 + window_pages)), list(range(2, 2 + window_pages))
     calls.append((tuple(range(_SWA0, _SWA0 + DSV41_SWA_LAYERS)), (DSV41_SWA_ITEM_BYTES,) * DSV41_SWA_LAYERS,
-                  list(range(1, 1 + window_pages)), list(range(2, 2 + window_pages))))
-    calls.append((tuple(range(_REQ0, _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES))),
-                  DSV41_REQUEST_STATE_ITEM_BYTES, [1], [2]))
+                  window_src, window_dst))
+    if tokens % 2:
+        calls.append((tuple(range(_REQ0, _REQ0 + len(DSV41_REQUEST_STATE_ITEM_BYTES))),
+                      DSV41_REQUEST_STATE_ITEM_BYTES, [1], [2]))
+    calls.append((tuple(range(_DRAFT_SWA0, _DRAFT_SWA0 + DSV41_DRAFT_SWA_LAYERS)),
+                  (DSV41_SWA_ITEM_BYTES,) * DSV41_DRAFT_SWA_LAYERS, window_src, window_dst))
+    calls.append(((_ROW0,), (DSV41_REQUEST_ROW_ITEM_BYTES,), [1], [2]))
     return calls
 
 
@@ -104,6 +121,8 @@ def dsv41_buffer_sizes() -> list[int]:
     sizes = [kv_pages * item for item in DSV41_KV_ITEM_BYTES]
     sizes += [_SWA_PAGES * DSV41_SWA_ITEM_BYTES] * DSV41_SWA_LAYERS
     sizes += [_REQUEST_SLOTS * item for item in DSV41_REQUEST_STATE_ITEM_BYTES]
+    sizes += [_SWA_PAGES * DSV41_SWA_ITEM_BYTES] * DSV41_DRAFT_SWA_LAYERS
+    sizes.append(_REQUEST_SLOTS * DSV41_REQUEST_ROW_ITEM_BYTES)
     largest = max(sum(sp[3] for b in dsv41_batches(t, lay) for sp in b) for _, t, lay in DSV41_CASES)
     sizes.append(largest)
     return sizes

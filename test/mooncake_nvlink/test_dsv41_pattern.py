@@ -29,7 +29,7 @@ BENCH = REPO_ROOT / "benchmarks" / "mooncake_nvlink" / "mooncake_routing.py"
 # KV storage on layers 2 (ratio 1), 3, 15 and 29 (ratio 2), the rest reading
 # a source layer's KV; layers 0 and 1 are sliding-window only.
 POOL_SCRIPT = r"""
-import json, os, sys
+import json, os, sys, types
 import torch
 import sglang_dsv41
 from sglang.srt.server_args import prepare_server_args
@@ -38,23 +38,31 @@ tiny = os.path.join(os.path.dirname(sglang_dsv41.__file__), "data", "tiny_dsv41"
 args = prepare_server_args(["--model-path", tiny, "--device", "cpu", "--host", "127.0.0.1",
                             "--skip-tokenizer-init"])
 publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+import sglang.srt.mem_cache.deepseek_v4_memory_pool as pools
+# DSpark as the shipped PD topologies run it: --speculative-dspark-block-size 5, six draft tokens.
+spec = pools.get_spec()
+dspark = types.SimpleNamespace(**{k: getattr(spec, k) for k in dir(spec) if not k.startswith("__")})
+dspark.speculative_algorithm, dspark.speculative_num_draft_tokens = "DSPARK", 6
+pools.get_spec = lambda: dspark
 ratios = [0, 0] + [1 if i % 2 == 0 else 2 for i in range(41)]
 sources = [2, 3, 15, 29]
 for layer, ratio in zip(sources, (1, 2, 2, 2)):
     ratios[layer] = ratio
-pool = DeepSeekV4TokenToKVPool(
+common = dict(
     max_num_reqs=4, swa_size=4096, c4_size=1024, c128_size=64, c4_state_pool_size=64,
     c128_state_pool_size=64, page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn,
     c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
-    qk_rope_head_dim=64, indexer_head_dim=128, layer_num=43, device="cpu",
-    enable_memory_saver=False, compression_ratios=ratios, sliding_window=128,
-    kv_source_layers=sources, full_size=8192, kv_layout="v41")
-out = {"page_size": pool.page_size, "sliding_window": pool.sliding_window,
-       "pd_kv_layout": pool.pd_kv_layout()}
-for name in ("get_contiguous_buf_infos", "get_state_buf_infos", "get_request_state_buf_infos",
-             "get_swa_valid_from_buf_infos", "get_unified_swa_ring_buf_infos"):
-    out[name] = getattr(pool, name)()[2]
+    qk_rope_head_dim=64, indexer_head_dim=128, device="cpu", enable_memory_saver=False,
+    sliding_window=128, full_size=8192, kv_layout="v41", online_mtp_max_draft_tokens=6)
+names = ("get_contiguous_buf_infos", "get_state_buf_infos", "get_request_state_buf_infos",
+         "get_swa_valid_from_buf_infos", "get_unified_swa_ring_buf_infos")
+target = pools.DeepSeekV4TokenToKVPool(layer_num=43, compression_ratios=ratios, kv_source_layers=sources, **common)
+draft = pools.DeepSeekV4TokenToKVPool(layer_num=2, compression_ratios=[0, 0], kv_source_layers=[],
+                                      is_draft_worker=True, **common)
+out = {"page_size": target.page_size, "sliding_window": target.sliding_window,
+       "pd_kv_layout": target.pd_kv_layout()}
+for role, pool in (("target", target), ("draft", draft)):
+    out[role] = {name: getattr(pool, name)()[2] for name in names}
 print("POOL " + json.dumps(out))
 """
 
@@ -71,27 +79,37 @@ def sglang_pool():
 
 
 @pytest.mark.timeout(300)
-def test_benchmark_geometry_is_sglang_pools(sglang_pool):
+def test_benchmark_geometry_is_sglang_pools_with_dspark(sglang_pool):
     assert sglang_pool["page_size"] == pattern.DSV41_PAGE_TOKENS
     assert sglang_pool["sliding_window"] == pattern.DSV41_SLIDING_WINDOW
     assert sglang_pool["pd_kv_layout"] == "v41,c1:v41_fp4,c2:v41_fp4"
-    assert tuple(sglang_pool["get_contiguous_buf_infos"]) == pattern.DSV41_KV_ITEM_BYTES
-    assert sglang_pool["get_state_buf_infos"] == [pattern.DSV41_SWA_ITEM_BYTES] * pattern.DSV41_SWA_LAYERS
-    assert tuple(sglang_pool["get_request_state_buf_infos"]) == pattern.DSV41_REQUEST_STATE_ITEM_BYTES
-    # nothing else is registered for this model on the target worker
-    assert sglang_pool["get_swa_valid_from_buf_infos"] == []
-    assert sglang_pool["get_unified_swa_ring_buf_infos"] == []
+    target, draft = sglang_pool["target"], sglang_pool["draft"]
+    assert tuple(target["get_contiguous_buf_infos"]) == pattern.DSV41_KV_ITEM_BYTES
+    assert target["get_state_buf_infos"] == [pattern.DSV41_SWA_ITEM_BYTES] * pattern.DSV41_SWA_LAYERS
+    assert tuple(target["get_request_state_buf_infos"]) == pattern.DSV41_REQUEST_STATE_ITEM_BYTES
+    assert target["get_swa_valid_from_buf_infos"] == [] and target["get_unified_swa_ring_buf_infos"] == []
+    # The draft adds no KV buffer: its sliding window and its request row only.
+    assert draft["get_contiguous_buf_infos"] == [] and draft["get_request_state_buf_infos"] == []
+    assert draft["get_state_buf_infos"] == [pattern.DSV41_SWA_ITEM_BYTES] * pattern.DSV41_DRAFT_SWA_LAYERS
+    assert draft["get_swa_valid_from_buf_infos"] == [pattern.DSV41_REQUEST_ROW_ITEM_BYTES]
 
 
+STATE_BYTES = 45 * 135_168 + 8  # target and draft windows (43 + 2 layers, one page), the request row
 EXPECTED = {  # (engine calls, blocks, bytes) per request
-    "8k contiguous": (3, 8 + 43 + 3, 32 * 227_840 + 43 * 135_168 + 3 * 8192),
-    "8k runs of 8": (3, 8 * 4 + 46, 32 * 227_840 + 5_836_800),
-    "8k fragmented": (3, 8 * 32 + 46, 32 * 227_840 + 5_836_800),
-    "32k contiguous": (4, 8 * 2 + 46, 128 * 227_840 + 5_836_800),
-    "32k runs of 8": (4, 8 * 16 + 46, 128 * 227_840 + 5_836_800),
-    "32k fragmented": (4, 8 * 128 + 46, 128 * 227_840 + 5_836_800),
-    "state alone": (2, 46, 5_836_800),
+    "8k contiguous": (4, 8 + 43 + 2 + 1, 32 * 227_840 + STATE_BYTES),
+    "8k runs of 8": (4, 8 * 4 + 46, 32 * 227_840 + STATE_BYTES),
+    "8k fragmented": (4, 8 * 32 + 46, 32 * 227_840 + STATE_BYTES),
+    "32k contiguous": (5, 8 * 2 + 46, 128 * 227_840 + STATE_BYTES),
+    "32k runs of 8": (5, 8 * 16 + 46, 128 * 227_840 + STATE_BYTES),
+    "32k fragmented": (5, 8 * 128 + 46, 128 * 227_840 + STATE_BYTES),
+    "state alone": (3, 46, STATE_BYTES),
 }
+
+
+def test_an_odd_prompt_also_sends_the_request_state():
+    calls = pattern.dsv41_paged_calls(8193, "contiguous")
+    assert [items for _, items, _, _ in calls][2] == pattern.DSV41_REQUEST_STATE_ITEM_BYTES
+    assert len(calls) == len(pattern.dsv41_paged_calls(8192, "contiguous")) + 1
 
 
 @pytest.mark.parametrize("name, tokens, layout", pattern.DSV41_CASES)

@@ -302,7 +302,7 @@ def same_table(table, items):
 
 
 def test_admission_builds_the_table_the_first_chunk_routes_with(model, monkeypatch):
-    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)  # a router in this process
+    monkeypatch.setattr(owner_broadcast, "routes_in_process", True)  # a router in this process
     req, (table,) = admitted([image(11, 2, 10), image(22, 20, 6, (2, 3))])
     mm = req.multimodal_inputs
     assert table is not None and table.source is mm.mm_items and same_table(table, mm.mm_items)
@@ -316,7 +316,7 @@ def test_admission_builds_the_table_the_first_chunk_routes_with(model, monkeypat
 def test_admission_of_more_media_builds_the_merged_table(model, monkeypatch):
     # A second extend (sglang merges the media into a new item list) leaves a
     # table of the merged list, which the next chunk uses as it is.
-    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)
+    monkeypatch.setattr(owner_broadcast, "routes_in_process", True)
     req, (first, merged) = admitted([image(11, 2, 10)], [image(33, 40, 5)])
     mm = req.multimodal_inputs
     assert merged is not first and merged.source is mm.mm_items and len(mm.mm_items) == 2
@@ -329,7 +329,7 @@ def test_admission_builds_nothing_where_no_chunk_is_routed(model, monkeypatch):
     # A scheduler whose model has no router (owner path off, no vision, no
     # replicating group) pays nothing at admission; chunks still route when
     # a router shows up, reading the items themselves.
-    monkeypatch.setattr(owner_broadcast, "_routes_in_process", False)
+    monkeypatch.setattr(owner_broadcast, "routes_in_process", False)
     req, (table,) = admitted([image(11, 2, 10)])
     assert table is None and owner_broadcast.TABLE_ATTRIBUTE not in req.multimodal_inputs.__dict__
     assert route(model, (req.multimodal_inputs, 0, 30)).spans == (ChunkSpan(11, 10, (4, 4)),)
@@ -353,7 +353,7 @@ def test_the_real_scheduler_admission_builds_the_table(model, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "helpers"))
     import embed_harness
 
-    monkeypatch.setattr(owner_broadcast, "_routes_in_process", True)
+    monkeypatch.setattr(owner_broadcast, "routes_in_process", True)
     items = [image(11, 2, 10), image(22, 20, 6, (2, 3))]
     prompt = array("q", [5] * 40)
     params = SamplingParams(max_new_tokens=1)

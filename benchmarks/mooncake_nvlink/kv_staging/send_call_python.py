@@ -55,6 +55,7 @@ def _build(page_path: bool):
 
     class NoCopy:
         kind = "host-cma"
+        min_word = 1
 
         def open(self, peer):
             return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])

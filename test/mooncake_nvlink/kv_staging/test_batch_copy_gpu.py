@@ -29,7 +29,7 @@ SRC_POOL = 256 * MiB
 DST_POOL = 1024 * MiB
 
 
-@pytest.fixture(scope="module", params=["triton", "memcpy-async", "memcpy-batch"])
+@pytest.fixture(scope="module", params=["triton", "memcpy-async"])
 def copier(request):
     return batch_copy_for(0, prefer=request.param)
 

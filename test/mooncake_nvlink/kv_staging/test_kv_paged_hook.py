@@ -41,6 +41,7 @@ class _IdentityTransport:
     """Records peer writes; the peer's addresses are used as they are (a stand-in for the mapping)."""
 
     kind = "host-cma"
+    min_word = 1
 
     def __init__(self):
         self.writes = []
@@ -159,7 +160,7 @@ def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch)
         learnt.append(list(call["dst_data_ptrs"]))
         return capture(original, manager, call)
 
-    monkeypatch.setattr(kv_staging, "_capture_layout", counting)
+    monkeypatch.setattr(kv_staging, "capture_layout", counting)
     for _ in range(3):
         assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
     assert len(learnt) == 1

@@ -133,6 +133,7 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
 
     class Recording:
         kind = "host-cma"
+        min_word = 1
 
         def __init__(self):
             self.opened, self.closed, self.writes = [], [], 0

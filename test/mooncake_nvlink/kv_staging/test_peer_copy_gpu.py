@@ -28,7 +28,9 @@ from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (  # noqa: E402
     FALLBACK_OUTSIDE_PEER_MAP,
     CudaIpcTransport,
     PagedLayout,
+    PeerMap,
     PeerMapError,
+    PeerRegion,
     bind_layout,
     encode_peer_map,
     find_peer_map,
@@ -258,3 +260,19 @@ def test_held_sends_land_as_one_write_byte_exact(decode, transport):
         conn.send(("read", (b, BUFFER_BYTES // 2 + 7 * PAGE // 2, PAGE // 2)))
         assert conn.recv() == host[s_off:s_off + PAGE // 2].tobytes(), f"state buffer {b}"
     target.retire()
+
+
+def test_a_region_the_decode_declares_past_its_allocation_is_refused_on_the_gpu(decode, transport):
+    """The decode's word against the driver's: its pool is lead + 4 x 64 MiB; a region
+    claimed at the last buffer's offset but twice as long would reach past it."""
+    _, frames, _ = decode
+    peer = find_peer_map([b"registration", *frames])
+    before = transport.open_mappings
+    honest = transport.open(peer)
+    honest.retire()
+    last = peer.regions[-1]
+    lying = PeerMap(peer.kind, peer.host, peer.regions[:-1] + (PeerRegion(last.ptr, 2 * last.length,
+                                                                          last.offset, last.handle),))
+    with pytest.raises(PeerMapError, match="reaches past its mapped allocation"):
+        transport.open(lying)
+    assert transport.open_mappings == before  # nothing of the refused map stays open

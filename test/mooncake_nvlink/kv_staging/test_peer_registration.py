@@ -184,3 +184,45 @@ def test_the_stand_in_reports_sizes_as_the_driver_does():
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     assert cuda._range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr.value + 5)) == 0
     assert (base.value, size.value) == (ptr.value, 3 * MiB)
+
+
+# --- rows narrower than the GPU copy's width go the direct way
+
+
+class _WideOnly:
+    """A transport whose copies take 16-byte multiples only, as the CUDA one; records writes."""
+
+    kind = "cuda-ipc"
+    min_word = 16
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, target, srcs, dsts, lengths):
+        self.writes.append(len(lengths))
+
+
+def test_a_call_of_8_byte_rows_is_left_to_the_direct_way_and_a_16_byte_one_is_taken():
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
+        PAGED_NARROW_ROWS,
+        PagedLayout,
+        PeerTarget,
+        bind_layout,
+        send_peer_batch,
+    )
+
+    peer = _map((0x1000_0000, MiB, 0, _handle(1)))
+    transport = _WideOnly()
+    target = PeerTarget(peer, [0x7000_0000], transport, [])
+    device = lambda addr: MiB  # noqa: E731  every source counts as device memory
+    row = PagedLayout.of([(0x2000_0000, 0x1000_0000, 8)])  # DSpark's request row
+    assert bind_layout(row, target, device) == (None, PAGED_NARROW_ROWS)
+    wide, why = bind_layout(PagedLayout.of([(0x2000_0000, 0x1000_0000, 135168)]), target, device)
+    assert why is None and wide.word == 16
+    direct = []
+    narrow_blocks = [(0x2000_0000 + 8 * k, 0x1000_0000 + 8 * k, 8) for k in range(16)]
+    out = send_peer_batch(narrow_blocks, target, 8, lambda blocks: direct.append(len(blocks)) or 0)
+    assert (out.rc, out.fallback, direct, transport.writes) == (0, PAGED_NARROW_ROWS, [16], [])
+    wide_blocks = [(0x2000_0000 + 64 * k, 0x1000_0000 + 64 * k, 64) for k in range(16)]
+    out = send_peer_batch(wide_blocks, target, 8, lambda blocks: pytest.fail("went direct"))
+    assert out.fallback is None and transport.writes == [16]

@@ -625,7 +625,8 @@ def allocate_on(torch, device: int, nbytes: int) -> Allocation:
 
 
 def merged_page_runs(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(srcs, dsts, lengths) of ``copies`` with pages consecutive on both sides merged into one entry.
+    """(srcs, dsts, lengths) of ``copies`` with pages consecutive on both sides merged into one entry
+    (what the host copier writes: one memmove per run).
 
     Raises ``PagesOutsideBuffers`` before anything is built, as every copier does.
     """
@@ -646,130 +647,6 @@ def merged_page_runs(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarra
         empty = np.zeros(0, dtype=np.uint64)
         return empty, empty, empty
     return tuple(np.ascontiguousarray(np.concatenate([p[k] for p in parts])).view(np.uint64) for k in range(3))
-
-
-class _BatchMemcpy:
-    """``cuMemcpyBatchAsync`` of the CUDA driver (12.8 or later), with the arguments it takes."""
-
-    class Attributes(ctypes.Structure):  # CUmemcpyAttributes
-        _fields_ = [("src_access_order", ctypes.c_int), ("src_type", ctypes.c_int), ("src_id", ctypes.c_int),
-                    ("dst_type", ctypes.c_int), ("dst_id", ctypes.c_int), ("flags", ctypes.c_uint)]
-
-    ACCESS_IN_STREAM_ORDER = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    LOCATION_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
-
-    def __init__(self, device: int):
-        try:
-            driver = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise BatchCopyError(f"the CUDA driver library does not load: {exc}") from exc
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        # CUDA 13 dropped the failure-index argument (the _v2 entry); 12.8 and 12.9 have it.
-        self._fn = getattr(driver, "cuMemcpyBatchAsync_v2", None)
-        self._with_fail_index = self._fn is None
-        if self._fn is None:
-            self._fn = getattr(driver, "cuMemcpyBatchAsync", None)
-        if self._fn is None:
-            raise BatchCopyError("the CUDA driver has no cuMemcpyBatchAsync (needs CUDA 12.8 or later)")
-        args = [vp, vp, vp, sz, vp, vp, sz] + ([vp] if self._with_fail_index else []) + [vp]
-        self._fn.argtypes, self._fn.restype = args, ctypes.c_int
-        self._sync = driver.cuStreamSynchronize
-        self._sync.argtypes, self._sync.restype = [vp], ctypes.c_int
-        self._attrs = self.Attributes(self.ACCESS_IN_STREAM_ORDER, self.LOCATION_DEVICE, device,
-                                      self.LOCATION_DEVICE, device, 0)
-        self._attr_index = (sz * 1)(0)
-        self._fail = sz(0)
-
-    def __call__(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray, stream: int) -> int:
-        extra = (ctypes.byref(self._fail),) if self._with_fail_index else ()
-        return self._fn(dsts.ctypes.data, srcs.ctypes.data, lengths.ctypes.data, len(lengths),
-                        ctypes.byref(self._attrs), self._attr_index, 1, *extra, stream)
-
-    def synchronize(self, stream: int) -> int:
-        return self._sync(stream)
-
-
-class MemcpyBatchCopy:
-    """Every copy as one ``cuMemcpyBatchAsync`` on a stream of the caller's, then one synchronize.
-
-    No kernel, nothing compiled: the driver takes the entries as they are,
-    whatever their width. A paged copy goes as its runs of consecutive pages.
-    Thread-safe: each concurrent call takes a stream of its own.
-    """
-
-    backend = "memcpy-batch"
-    fallback_reason = None
-
-    def __init__(self, device: int):
-        torch = _torch()
-        if not torch.cuda.is_available():
-            raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
-        count = torch.cuda.device_count()
-        if not isinstance(device, int) or not 0 <= device < count:
-            raise BatchCopyError(f"CUDA device {device!r} does not exist ({count} visible)")
-        self._torch, self.device = torch, device
-        with torch.cuda.device(device):
-            torch.cuda.init()
-        self._context = DeviceContext(device)
-        self._memcpy = _BatchMemcpy(device)
-        self._lock = threading.Lock()
-        self._streams: list = []
-        self.last_submit_s: Optional[float] = 0.0
-        why = self._probe()
-        if why is not None:
-            raise BatchCopyError(f"cuMemcpyBatchAsync does not copy here: its probe {why}")
-
-    def _probe(self) -> Optional[str]:
-        torch = self._torch
-        try:
-            src = torch.arange(256, dtype=torch.uint8, device=f"cuda:{self.device}")
-            dst = torch.zeros(512, dtype=torch.uint8, device=f"cuda:{self.device}")
-            torch.cuda.synchronize(self.device)
-            self.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 8)], np.array([0, 1, 7]), np.array([5, 6, 1]))])
-            want = torch.zeros(512, dtype=torch.uint8, device=f"cuda:{self.device}")
-            want[40:56], want[8:16] = src[0:16], src[56:64]
-            return None if torch.equal(dst, want) else "copy differed"
-        except Exception as exc:
-            return f"failed: {exc}"
-
-    def allocate(self, nbytes: int) -> Allocation:
-        return allocate_on(self._torch, self.device, nbytes)
-
-    def copy(self, srcs, dsts, lengths) -> None:
-        self._write(*as_batch(*converted(srcs, dsts, lengths)))
-
-    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
-        if copies:
-            self._write(*merged_page_runs(copies))
-
-    def _write(self, s: np.ndarray, d: np.ndarray, n: np.ndarray) -> None:
-        if not len(n):
-            return
-        started = time.perf_counter()
-        previous = self._context.enter()
-        stream = None
-        try:
-            stream = self._take_stream()
-            err = self._memcpy(s, d, n, stream.cuda_stream)
-            self.last_submit_s = time.perf_counter() - started
-            # Waited for even after a refused call: nothing queued may land after we return.
-            err_sync = self._memcpy.synchronize(stream.cuda_stream)
-        except Exception as exc:
-            raise BatchCopyError(f"batch copy of {len(n)} entries on cuda:{self.device} failed: {exc}") from exc
-        finally:
-            self._context.leave(previous)
-            if stream is not None:
-                with self._lock:
-                    self._streams.append(stream)
-        if err or err_sync:
-            raise BatchCopyError(f"batch copy of {len(n)} entries on cuda:{self.device} failed: "
-                                 f"CUDA driver error {err or err_sync}")
-
-    def _take_stream(self):
-        with self._lock:
-            if self._streams:
-                return self._streams.pop()
-        return self._torch.cuda.Stream(device=self.device)
 
 
 class CudaBatchCopy:
@@ -1153,7 +1030,7 @@ def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> Batch
     Raises BatchCopyError when no CUDA path is usable; the caller decides
     whether host copies are an acceptable fallback.
     """
-    if prefer not in (None, *BACKENDS, MemcpyBatchCopy.backend):
+    if prefer not in (None, *BACKENDS):
         raise BatchCopyError(f"unknown batch copy backend {prefer!r} (one of {', '.join(BACKENDS)})")
     torch = _torch()
     try:
@@ -1164,6 +1041,4 @@ def batch_copy_for(device: Optional[int], prefer: Optional[str] = None) -> Batch
         raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
     if device is None:
         device = torch.cuda.current_device()
-    if prefer == MemcpyBatchCopy.backend:
-        return MemcpyBatchCopy(int(device))
     return CudaBatchCopy(int(device), prefer)

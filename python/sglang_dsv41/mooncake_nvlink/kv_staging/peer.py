@@ -22,6 +22,7 @@ from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
     BatchCopyError,
     PagedCopy,
     PagesOutsideBuffers,
+    batch_word,
     word_of,
     expand_paged,
     paged_segments,
@@ -35,6 +36,12 @@ KINDS = ("cuda-ipc", "host-cma")
 # A peer write costs one kernel launch and a synchronize (tens of us); the
 # engine about 7 us per block: below a handful of blocks the direct path wins.
 DEFAULT_PEER_MIN_BLOCKS = 8
+# The GPU copy runs at the 16-byte width it is compiled and probed for at start: rows
+# narrower than that (DSpark's 8-byte request row) would drop a whole held write to a
+# slower kernel compiled on a transfer worker at its first use, so they go the direct
+# way instead (one small block), counted.
+CUDA_COPY_WORD = 16
+PAGED_NARROW_ROWS = "narrow_rows"
 
 # Why a batch took the direct path instead of a peer write (metric label values).
 FALLBACK_NO_PEER_MAP = "no_peer_map"
@@ -215,6 +222,7 @@ class PeerTarget:
 
 class PeerTransport(Protocol):
     kind: str
+    min_word: int  # the narrowest access its copies take: addresses and sizes must be multiples of it
 
     def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
         """This process's ``regions`` as a map another process on this host can open."""
@@ -254,6 +262,7 @@ class CudaIpcTransport:
     """Decode regions exported as CUDA IPC handles; batches written with the batched copy."""
 
     kind = "cuda-ipc"
+    min_word = CUDA_COPY_WORD
 
     def __init__(self, copier: BatchCopy, device: int, runtime=None, driver=None):
         """``runtime``/``driver``: the CUDA runtime (a ``CudaRuntime``) and driver library, or
@@ -413,6 +422,7 @@ class HostCmaTransport:
     """Another process's host memory written with ``process_vm_writev`` (cross memory attach)."""
 
     kind = "host-cma"
+    min_word = 1  # bytes, any alignment
 
     def __init__(self):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -532,6 +542,8 @@ def send_peer_batch(blocks, target: Optional[PeerTarget], min_blocks: int, write
     local, outside = target.translate(dsts, lengths)
     if local is None:
         return PeerOutcome(write_direct(blocks), FALLBACK_OUTSIDE_PEER_MAP)
+    if batch_word(srcs, local, lengths) < target.transport.min_word:
+        return PeerOutcome(write_direct(blocks), PAGED_NARROW_ROWS)
     if not target.acquire():  # retired meanwhile: a newer map replaced it
         return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
     try:
@@ -606,6 +618,8 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     for e in entries:
         bits |= e[0] | e[1] | e[2]
     word = word_of(bits)
+    if word < target.transport.min_word:
+        return None, PAGED_NARROW_ROWS
     return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows), word,
                        max(e[2] for e in entries), sum(e[2] for e in entries)), None
 

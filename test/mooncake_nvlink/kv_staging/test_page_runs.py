@@ -1,7 +1,7 @@
-"""The batched memcpy's entries: a paged copy as its runs of consecutive pages (CPU).
+"""A paged copy as its runs of consecutive pages (CPU).
 
-``merged_page_runs`` is what the CUDA driver's batched copy and the host
-copier receive; it must move exactly the bytes the page-by-page expansion
+``merged_page_runs`` is what the host copier writes (every CPU PD test moves
+its KV that way); it must move exactly the bytes the page-by-page expansion
 moves, and refuse a page outside its buffers before anything is built.
 """
 
