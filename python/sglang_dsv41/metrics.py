@@ -9,8 +9,8 @@ tokenizer, detokenizer...) therefore show on that one endpoint, summed over
 processes for counters. The launcher is the exception: sglang imports
 ``prometheus_client`` there before it sets the directory, so nothing the
 launcher counts can reach ``/metrics``. What the launcher decides (the launch
-guard's verdict) travels to the schedulers on the pickled server arguments and
-is published there.
+guard's verdict) and its own patch count travel to the schedulers on the
+pickled server arguments and are published there.
 
 Cost on the hot paths: an increment is a check of one module flag and an
 update of this thread's own tally (no lock); a daemon thread per process
@@ -61,11 +61,13 @@ class Series:
         return PREFIX + self.name + ("_total" if self.kind == "counter" else "")
 
 
-_ROLES = "scheduler, tokenizer_worker, detokenizer, dp_controller"
+_ROLES = "scheduler, tokenizer_worker, detokenizer, dp_controller, launcher"
 
 SERIES: Tuple[Series, ...] = (
     Series("patches_applied", "gauge", "role",
-           "Patches of the plugin verified installed in a process of this role.", _ROLES),
+           "Patches of the plugin verified installed in a process of this role (the "
+           "launcher's as it counted them resolving the server's arguments, published by the "
+           "schedulers).", _ROLES),
     Series("patches_owed", "gauge", "role",
            "Patches the plugin owes to a process of this role.", _ROLES),
     Series("processes_verified", "counter", "role",
@@ -269,6 +271,16 @@ def launch_guard_verdict(rule: Optional[str]) -> None:
         _wake.set()
 
 
+def launcher_patches(applied: int, owed: int) -> None:
+    """The launcher's patch count as it reached this process with the server's
+    arguments (published by the schedulers, like the launch guard's verdict)."""
+    if _counting:
+        with _lock:
+            _gauges["patches_applied"]["launcher"] = applied
+            _gauges["patches_owed"]["launcher"] = owed
+        _wake.set()
+
+
 def role_verified(role: str, applied: int, owed: int) -> None:
     """A process of ``role`` verified ``applied`` of the ``owed`` patches."""
     if _counting:
@@ -446,13 +458,15 @@ def render_markdown() -> str:
         "counting calls return at once.",
         "",
         "The launcher process is the exception: sglang 0.5.23 imports `prometheus_client`",
-        "there before it sets the multiprocess directory, so no `role=\"launcher\"` row",
-        "appears (the plugin logs one warning saying so). The launch guard runs in the",
-        "launcher, but its verdict travels to the schedulers with the server's arguments,",
-        "and `sglang_dsv41_launch_guard_active` is published from there.",
+        "there before it sets the multiprocess directory, so nothing it exports reaches",
+        "`/metrics` (the plugin logs one warning saying so). The launch guard's verdict",
+        "and the launcher's patch count travel to the schedulers with the server's",
+        "arguments and are published from there (`role=\"launcher\"` of the patch series,",
+        "`sglang_dsv41_launch_guard_active`), counted when the launcher resolved them.",
         "",
-        "`sglang-dsv41 smoke` reads `sglang_dsv41_patches_applied` and",
-        "`sglang_dsv41_patches_owed` to tell that the plugin is active.",
+        "`sglang-dsv41 smoke` reads `sglang_dsv41_patches_applied`,",
+        "`sglang_dsv41_patches_owed` and `sglang_dsv41_launch_guard_active` to tell that the",
+        "plugin is active in the schedulers and in the launcher.",
         "",
         "| series | type | label | meaning |",
         "|---|---|---|---|",

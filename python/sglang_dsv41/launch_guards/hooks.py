@@ -19,7 +19,9 @@ from sglang_dsv41.launch_guards.rules import (
     launch_verdict,
 )
 from sglang_dsv41.cp_bcg.setting import DSPARK_VERIFIED_ENV
-from sglang_dsv41.launch_guards.verdict import VERDICT_ATTRIBUTE
+from sglang_dsv41.launch_guards.verdict import VERDICT_ATTRIBUTE, record_launcher_patches
+from sglang_dsv41.plugin.spec import Role
+from sglang_dsv41.plugin.verify import role_status
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ def guard_resolved_layout(server_args, previous) -> None:
     verdict = launch_verdict(features) if features is not None else GuardVerdict(GuardAction.NONE)
     # Bookkeeping name (leading underscore, not a field): allowed during resolution.
     setattr(server_args, VERDICT_ATTRIBUTE, verdict)
+    # Every hook is installed by now (load_plugins ran before the arguments were parsed).
+    applied, missing = role_status(Role.LAUNCHER)
+    record_launcher_patches(server_args, len(applied), len(applied) + len(missing))
     if verdict.action is GuardAction.REFUSE:
         # SystemExit: `sglang serve` stops here with this one line and exit status 1,
         # before any process starts; nothing between here and the CLI catches it.

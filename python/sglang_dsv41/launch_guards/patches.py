@@ -27,7 +27,11 @@ PATCHES: tuple[Patch, ...] = (
         "attention or prefill CP is turned off with one log line; the same layout with "
         "--enable-decoder-swa-bounded-replay given explicitly, and an explicit prefill CUDA "
         "graph under DeepSeek-V4 prefill CP that would be captured and never replayed (unless "
-        "SGLANG_DSV41_CP_BCG=1), stop the launcher with one line naming the flags. A wrapper "
+        "SGLANG_DSV41_CP_BCG=1), stop the launcher with one line naming the flags; so does DSpark "
+        "under that opt-in's CP breakable prefill graph until verify-cp-bcg.sh has compared the "
+        "draft's acceptance length eager against graph (SGLANG_DSV41_CP_BCG_DSPARK_VERIFIED). "
+        "The verdict and the launcher's patch count are left on the server's arguments for the "
+        "schedulers to publish. A wrapper "
         "of this resolution step, the model-capability step: it runs after every step that "
         "decides what the rules read, and sglang's replay default has no step of its own.",
         source="the original fork's compose field notes (cp4 + dspark + replay; dp + dspark + "

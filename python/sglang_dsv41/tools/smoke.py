@@ -12,7 +12,9 @@ router in them, at the port its command names) or server URLs. For each:
   prompt tokens than the same text alone;
 - ``metrics``: ``/metrics`` (sglang's ``--enable-metrics``) carries the
   plugin's ``sglang_dsv41_patches_applied`` series with every owed patch
-  applied in the scheduler role (not on routers: they run no plugin).
+  applied in the scheduler and the launcher roles, and the launch guard's
+  verdict (``sglang_dsv41_launch_guard_active``), which says the launcher ran
+  with the plugin (not on routers: they run no plugin).
 
 One line per server, or one JSON document with ``--json``. Exit status 0 when
 every check passed, 1 when one failed, 2 for input that cannot be used (one
@@ -48,6 +50,7 @@ DEFAULT_ROUTER_PORT = 30000
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.1, 86400.0
 PROMPT = "Reply with the single word OK."
 _SERIES = re.compile(r'^sglang_dsv41_(patches_applied|patches_owed)\{role="([a-z_]+)"\}\s+(\S+)$')
+_GUARD = re.compile(r'^sglang_dsv41_launch_guard_active\{rule="((?:[^"\\]|\\.)*)"\}\s+(\S+)$')
 
 
 class SmokeInputError(ValueError):
@@ -390,6 +393,16 @@ def plugin_status(metrics_text: str) -> dict[str, tuple[int, int]]:
     return {role: (v.get("patches_applied", 0), v.get("patches_owed", 0)) for role, v in seen.items()}
 
 
+def launch_guard_rules(metrics_text: str) -> list[str]:
+    """The launch guard verdicts the schedulers published (the rule, or "none")."""
+    rules = []
+    for line in metrics_text.splitlines():
+        match = _GUARD.match(line.strip())
+        if match and match.group(2) in ("1", "1.0"):
+            rules.append(match.group(1))
+    return sorted(set(rules))
+
+
 def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = False) -> ServerResult:
     """``router_vision``: a server behind this router understands images."""
     result = ServerResult(endpoint.name, endpoint.url, endpoint.kind, endpoint.source)
@@ -483,8 +496,9 @@ def _metrics_check(result: ServerResult, url: str, timeout: float) -> None:
     if status != 200:
         result.add("metrics", "fail", f"/metrics: HTTP {status}")
         return
+    text = raw.decode(errors="replace")
     try:
-        roles = plugin_status(raw.decode(errors="replace"))
+        roles = plugin_status(text)
     except MetricsError as exc:
         result.add("metrics", "fail", f"/metrics: {exc}")
         return
@@ -494,12 +508,16 @@ def _metrics_check(result: ServerResult, url: str, timeout: float) -> None:
         return
     summary = ", ".join(f"{role} {applied}/{owed}" for role, (applied, owed) in sorted(roles.items()))
     short = [role for role, (applied, owed) in roles.items() if owed <= 0 or applied != owed]
+    guard = launch_guard_rules(text)
     if "scheduler" not in roles:
         result.add("metrics", "fail", f"no scheduler reported the plugin ({summary})")
     elif short:
         result.add("metrics", "fail", f"patches missing in {', '.join(sorted(short))} ({summary})")
+    elif "launcher" not in roles or not guard:
+        result.add("metrics", "fail", f"no launch guard verdict or launcher patch count: the launcher "
+                                      f"ran without the plugin ({summary})")
     else:
-        result.add("metrics", "ok", f"plugin active: {summary}")
+        result.add("metrics", "ok", f"plugin active: {summary}; launch guard: {', '.join(guard)}")
 
 
 # --------------------------------------------------------------------------

@@ -34,8 +34,12 @@ pytestmark = pytest.mark.timeout(120)
 SCHEMA = json.loads(resources.files("sglang_dsv41").joinpath("data/schemas/smoke.schema.json").read_text())
 
 
-def plugin_metrics_text(applied: dict[str, int] | None = None) -> str:
+def plugin_metrics_text(applied: dict[str, int] | None = None, *, launcher: bool = True) -> str:
+    """What the schedulers of a server with the plugin publish; ``launcher=False``: a
+    launcher that ran without it (no verdict, no launcher count reached them)."""
     owed = {"scheduler": len(owed_to(Role.SCHEDULER)), "launcher": len(owed_to(Role.LAUNCHER))}
+    if not launcher:
+        del owed["launcher"]
     applied = owed if applied is None else {**owed, **applied}
     lines = ["# HELP sglang:num_running_reqs The number of running requests.",
              "# TYPE sglang:num_running_reqs gauge",
@@ -43,6 +47,8 @@ def plugin_metrics_text(applied: dict[str, int] | None = None) -> str:
     for role in owed:
         lines.append(f'sglang_dsv41_patches_applied{{role="{role}"}} {float(applied[role])}')
         lines.append(f'sglang_dsv41_patches_owed{{role="{role}"}} {float(owed[role])}')
+    if launcher:
+        lines.append('sglang_dsv41_launch_guard_active{rule="none"} 1.0')
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +243,7 @@ def test_a_compose_file_checks_every_server_and_its_router(tmp_path):
     (dict(metrics=None), "metrics", "start the server with --enable-metrics"),
     (dict(metrics="sglang:num_running_reqs 0.0\n"), "metrics", "the plugin is not active"),
     (dict(metrics=plugin_metrics_text({"scheduler": 1})), "metrics", "patches missing in scheduler"),
+    (dict(metrics=plugin_metrics_text(launcher=False)), "metrics", "the launcher ran without the plugin"),
     (dict(health_status=503), "health", "HTTP 503"),
     (dict(chat_status=500), "chat", "HTTP 500"),
     (dict(vision=True, image_tokens=0), "image", "it was not read"),

@@ -46,8 +46,12 @@ def answer(status: int = 200, body: bytes | str = b"", kind: str = "application/
 def metrics_page(scheduler: str | None = None, extra: str = "") -> bytes:
     n = len(owed_to(Role.SCHEDULER))
     applied = scheduler if scheduler is not None else f"{n}.0"
+    launcher = len(owed_to(Role.LAUNCHER))
     return answer(200, f'sglang_dsv41_patches_applied{{role="scheduler"}} {applied}\n'
-                       f'sglang_dsv41_patches_owed{{role="scheduler"}} {n}.0\n{extra}', "text/plain")
+                       f'sglang_dsv41_patches_owed{{role="scheduler"}} {n}.0\n'
+                       f'sglang_dsv41_patches_applied{{role="launcher"}} {launcher}.0\n'
+                       f'sglang_dsv41_patches_owed{{role="launcher"}} {launcher}.0\n'
+                       f'sglang_dsv41_launch_guard_active{{rule="none"}} 1.0\n{extra}', "text/plain")
 
 
 def chat_reply(usage) -> bytes:
@@ -290,7 +294,8 @@ def test_the_good_stand_in_passes():
     with HostileServer({}) as server:
         proc, _ = run_smoke("--timeout", str(TIMEOUT_S), server.url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"plugin active: scheduler {N}/{N}" in proc.stdout
+    launcher = len(owed_to(Role.LAUNCHER))
+    assert f"plugin active: launcher {launcher}/{launcher}, scheduler {N}/{N}; launch guard: none" in proc.stdout
 
 
 # ---------------------------------------------------------------- URLs and numbers: exit 2, one line
