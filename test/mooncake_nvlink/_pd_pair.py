@@ -341,6 +341,8 @@ class Side:
                 60, f"room {name}: prefill transfer never concluded",
             )
             self.result[f"status_{name}"] = final  # KVPoll.Failed is 0: compare names
+        # Sessions sglang gave up on: every later request to that decode would fail at once.
+        self.result["failed_sessions"] = sorted(self.mgr.failed_sessions)
         if getattr(self, "transport", None) is not None:
             self.result["peer_writes"] = type(self.transport).writes
             self.result["open_peer_maps"] = self.transport.open_mappings

@@ -10,6 +10,7 @@ from typing import Optional
 
 from sglang_dsv41 import metrics
 from sglang_dsv41.mooncake_nvlink.kv_staging.slots import is_staged_message
+from sglang_dsv41.mooncake_nvlink.kv_staging import held
 from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 from sglang_dsv41.mooncake_nvlink.memory import HostMemory, cuda_memory_access
 from sglang_dsv41.mooncake_nvlink.state import RoutingState, routing_state, set_routing_state
@@ -126,6 +127,8 @@ def _side_channel(manager, session_id: str) -> SideChannel:
 def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
     """AROUND MooncakeKVManager._transfer_data: device blocks to the engine, host blocks beside it."""
     if kv_staging.captured(transfer_blocks):  # a dry run that only learns a call's layout
+        return 0
+    if held.room_failed():  # a peer write of this request failed: nothing more goes to the decode
         return 0
     state = routing_state(self)
     if state is None or not transfer_blocks:

@@ -74,6 +74,9 @@ def _manager(entries: int, dst_entries: int, *, mla=True, start_layer=0, end_lay
     )
     mgr.failures = []
     mgr.conclude_failure = lambda **kw: mgr.failures.append(kw)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr.request_status = {room: KVPoll.Transferring for room in (1, 3, 7)}  # the rooms the tests send
     src = [SRC0 + k * BUF for k in range(entries)]
     dst = [DST0 + k * BUF for k in range(dst_entries)]
     engine = []
@@ -362,12 +365,35 @@ def test_held_writes_are_never_written_late_or_after_a_failed_state_send(worker_
             with pytest.raises(outcome):
                 kv_staging.around_maybe_send_extra(body, mgr)
     assert transport.writes == [] and _delta(before) == {"dropped": 3}
-    # a held write that fails is a failed state send (upstream then fails the request)
+    # a held write that fails fails its request (concluded here), not the decode session:
+    # sglang is told the state sends returned, so it does not give up on the whole decode
     _take(queue, last=True)
     assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
     transport.fail = True
-    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == -1
+    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == 0
+    assert [f["bootstrap_room"] for f in mgr.failures] == [1] and "peer write" in mgr.failures[0]["failure_reason"]
     assert _delta(before) == {"dropped": 3, "failed": 1} and engine == []
+    # and every later send of that room on this worker is dropped, the block way included
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0 and engine == [] and transport.writes == []
+
+
+def test_a_room_aborted_while_its_sends_were_held_gets_nothing_written(worker_thread):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    queue, before = _worker_queue(), _held_writes()
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    mgr.request_status[1] = KVPoll.Failed  # the decode aborted the request meanwhile
+    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == 0
+    assert transport.writes == [] and _delta(before) == {"dropped": 1}
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    del mgr.request_status[1]  # cleared: a room that no longer exists gets nothing either
+    seen = []
+    kv_staging.around_conclude_transfer(lambda self, **kw: seen.append(kw), mgr, bootstrap_room=1,
+                                        status=KVPoll.Success)
+    assert transport.writes == [] and _delta(before) == {"dropped": 2} and len(seen) == 1
 
 
 def test_threads_that_hold_nothing_pass_through_unchanged(worker_thread):

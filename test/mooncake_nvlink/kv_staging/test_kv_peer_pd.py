@@ -89,7 +89,7 @@ def test_the_decode_exports_exactly_its_engine_registered_regions(runs):
 
 
 def test_a_failed_peer_write_fails_that_request_only(runs):
-    r = runs["failing"]
+    r = dict(runs["failing"], peer=runs["peer"])
     assert r["prefill"]["status_A"] == "success" and r["decode"]["status_A"] == "success"
     assert r["decode"]["mismatch_A"] == [] and r["decode"]["mismatch_at_status_A"] == []
     assert r["prefill"]["status_B"] == "failed"
@@ -98,6 +98,9 @@ def test_a_failed_peer_write_fails_that_request_only(runs):
     # sends returned, failed and failed its transfer
     assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
     assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 1, "failed": 1}
+    # the request failed, not the decode: sglang did not give up on its session
+    assert r["prefill"]["failed_sessions"] == []
+    assert r["peer"]["prefill"]["failed_sessions"] == []
 
 
 def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):

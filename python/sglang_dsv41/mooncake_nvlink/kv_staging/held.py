@@ -56,8 +56,34 @@ def drop_held(why: str) -> None:
         writes.discard()
 
 
+def current_room() -> Optional[int]:
+    """The room of the chunk this transfer worker took last, None off a transfer worker."""
+    return getattr(_thread, "room", None)
+
+
+def fail_room(manager, why: str) -> int:
+    """A failed peer write fails its request, not the decode session: the room is concluded
+    failed here, every later send of it on this worker is dropped (``room_failed``), and sglang
+    is told the send returned (its own handling of a failed send would also give up on every
+    request of that decode). Nothing of the write is in flight: it was waited for. Off a
+    transfer worker the room is unknown: -1, sglang's own handling."""
+    room = current_room()
+    if room is None:
+        return -1
+    drop_held("its request failed")
+    _thread.failed_room = room
+    manager.conclude_failure(bootstrap_room=room, failure_reason=why)
+    return 0
+
+
+def room_failed() -> bool:
+    """Whether this worker's current chunk belongs to a room a peer write failed: send nothing more."""
+    room = current_room()
+    return room is not None and getattr(_thread, "failed_room", None) == room
+
+
 class ChunkAwareQueue:
-    """A transfer worker's queue that tells this module which chunk the worker took."""
+    """A transfer worker's queue that tells this module which chunk (and room) the worker took."""
 
     def __init__(self, queue):
         self._queue = queue
@@ -66,6 +92,8 @@ class ChunkAwareQueue:
         drop_held("the worker took its next chunk")
         _thread.writes = None
         chunk = self._queue.get(*args, **kwargs)
+        # sglang skips a failed room's later chunks before any send: the mark ends with its chunk
+        _thread.room, _thread.failed_room = getattr(chunk, "room", None), None
         if getattr(chunk, "is_last_chunk", False):
             _thread.writes = _thread.pool = getattr(_thread, "pool", None) or PeerWrites()
         return chunk

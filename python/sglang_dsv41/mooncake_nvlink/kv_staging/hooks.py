@@ -360,7 +360,7 @@ def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
     except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
         metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s", session_id, type(exc).__name__, exc)
-        return -1
+        return held.fail_room(manager, f"KV peer write failed: {type(exc).__name__}: {exc}")
     metrics.count_kv_staging("kv_staging_batches", outcome.fallback or "peer")
     return outcome.rc
 
@@ -504,6 +504,9 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     send's pages are checked when the held writes are made: one outside its
     buffers fails the request there (its block path is gone by then).
     """
+    if held.room_failed():  # a peer write of this request failed: nothing more goes to its pages
+        return 0
+
     def call_as_given() -> dict:  # built only where upstream's own code runs: a send path hot per request
         return dict(mooncake_session_id=mooncake_session_id, src_data_ptrs=src_data_ptrs,
                     dst_data_ptrs=dst_data_ptrs, item_lens=item_lens, prefill_data_indices=prefill_data_indices,
@@ -550,7 +553,7 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
         metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
                      mooncake_session_id, type(exc).__name__, exc)
-        return -1
+        return held.fail_room(self, f"KV peer write failed: {type(exc).__name__}: {exc}")
     if outcome.fallback is not None:
         return original(self, **call_as_given())
     metrics.count_kv_staging("kv_staging_batches", "peer_pages")
@@ -582,6 +585,15 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
 # the pages. A copy still in flight then (a launch queued behind a long forward
 # kernel) could land in another request's KV, so none is left in flight.
 
+def _room_gone(manager, room) -> bool:
+    """Whether sglang already counts ``room`` failed (an abort included) or cleared it."""
+    if room is None:
+        return False
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return room not in manager.request_status or manager.check_status(room) == KVPoll.Failed
+
+
 def around_transfer_worker(original, self, queue, *args, **kwargs):
     """AROUND MooncakeKVManager.transfer_worker: in peer mode, hold a last chunk's sends for one write."""
     state = state_of(self)
@@ -602,7 +614,11 @@ def around_maybe_send_extra(original, self, *args, **kwargs):
     if rc != 0:  # upstream fails the request: nothing more goes into its pages
         held.drop_held("a state send failed")
         return rc
-    return -1 if held.flush_held("state sends") is not None else 0
+    if _room_gone(self, held.current_room()):  # aborted while its sends were held: write nothing
+        held.drop_held("its room failed or was aborted meanwhile")
+        return 0
+    failed = held.flush_held("state sends")
+    return 0 if failed is None else held.fail_room(self, failed)
 
 
 def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=None, failure_reason=None):
@@ -610,7 +626,9 @@ def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=
     if held.holding() is not None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        if status == KVPoll.Success:
+        if status == KVPoll.Success and _room_gone(self, bootstrap_room):
+            held.drop_held("its room failed or was aborted meanwhile")
+        elif status == KVPoll.Success:
             failed = held.flush_held("conclusion")
             if failed is not None:
                 status, failure_reason = KVPoll.Failed, failed
