@@ -50,7 +50,6 @@ PATCHES: tuple[Patch, ...] = (
         "log line and an abort message that names the cause. AFTER on the method that decides, "
         "once per retraction; backup_kv_cache is imported by name into schedule_batch.",
         source="this package (sglang 0.5.23's retraction path read against its multimodal TODO)",
-        upstream="none: 0.5.23 leaves multimodal recompute as a TODO in Req.build_rebootstrap_payload",
         remove_when="the pinned sglang recomputes retracted multimodal requests with their images, "
         "or names the cause of the abort and counts it",
         signature="(self)",
