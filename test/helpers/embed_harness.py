@@ -44,7 +44,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang_dsv41.plugin.table import PATCHES  # noqa: E402
 from sglang_dsv41.plugin.testing import patches_installed  # noqa: E402
 
-GROUP = "embed-overrides"
+GROUP = "embed_overrides"
 HIDDEN = 4
 VOCAB = 1000
 
@@ -62,6 +62,8 @@ def hooks_installed(ids=None):
     itself cannot un-patch).
     """
     chosen = [p.id for p in group_patches() if ids is None or p.id in ids]
+    if not chosen:  # a renamed group or id must fail here, not install nothing
+        raise LookupError(f"no patch of group {GROUP!r} matches {sorted(ids) if ids else 'all'}")
     with patches_installed(*chosen):
         yield
 

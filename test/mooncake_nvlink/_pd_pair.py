@@ -47,7 +47,7 @@ elif PLUGIN == "group":  # only this group's entries (to debug without the other
     from sglang_dsv41.plugin.table import PATCHES
 
     for _patch in PATCHES:
-        if _patch.group == "mooncake-nvlink":
+        if _patch.group in ("mooncake_nvlink", "kv_staging"):
             register_patch(_patch)
     HookRegistry.apply_hooks()
 
