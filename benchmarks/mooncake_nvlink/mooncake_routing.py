@@ -679,7 +679,7 @@ def run_dsv41_sender(args) -> None:
             """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
             last chunk's KV and the state calls held and written as one batch (before the status);
             a call the page path leaves to blocks (narrow rows) goes at once, as its blocks."""
-            earlier, last = paged[:kv_calls - 1], paged[max(kv_calls - 1, 0):]
+            earlier, last = paged[:max(kv_calls - 1, 0)], paged[max(kv_calls - 1, 0):]
             run_earlier = pages_request(earlier)
 
             def run():
