@@ -17,13 +17,20 @@ import pytest
 import embed_harness as E
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from sglang.srt.runtime_context import get_disagg
+from sglang.srt.runtime_context import get_disagg, reset_context
 
 from sglang_dsv41 import metrics
 from sglang_dsv41.pd_retraction.aborts import REASONS, VISION_MESSAGE, abort_reason
 from sglang_dsv41.plugin.testing import patches_installed
 
 PATCH_ID = "PDR-ABORT-REASON"
+
+
+@pytest.fixture(autouse=True)
+def _clean_context():
+    """The scheduler rig publishes a server context; later tests in this process need none."""
+    yield
+    reset_context()
 
 
 def decode_batch():

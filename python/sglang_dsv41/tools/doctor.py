@@ -170,6 +170,14 @@ def setting_findings() -> list[Finding]:
                                     f"CP breakable prefill graph {'on where supported' if on else 'off'}"))
         except ValueError as exc:
             findings.append(Finding("setting", "fail", f"{exc}: the server would stop at plugin load"))
+    from sglang_dsv41.cp_bcg.setting import DSPARK_VERIFIED_ENV, dspark_verification_problem
+
+    if DSPARK_VERIFIED_ENV in environ:
+        problem = dspark_verification_problem(environ[DSPARK_VERIFIED_ENV], fp.installed_version("sglang") or "")
+        findings.append(
+            Finding("setting", "fail", f"{problem}: a DSpark server under {CP_BCG_ENV}=1 would be refused at launch")
+            if problem else Finding("setting", "ok", f"{DSPARK_VERIFIED_ENV}: a passing acceptance comparison on "
+                                    "this sglang release"))
     owner = [name for name in (ENV_MODE, ENV_PER_IMAGE_COST, ENV_MIN_SAVING) if name in environ]
     if owner:
         try:
