@@ -56,6 +56,7 @@ def _run_cases(checkpoint: Path, *extra: str, then: str = "") -> dict:
     argv = ["x", str(checkpoint), *extra]
     code = (f"import sys\nsys.argv = {argv!r}\n"
             + (HERE / "_build_cases.py").read_text().replace(
+                'Path(__file__).resolve().parents[1] / "helpers"', repr(str(HERE.parent / "helpers"))).replace(
                 "Path(__file__).resolve().parent", repr(str(HERE)))
             + then)
     proc = run_python(code, timeout=400)
