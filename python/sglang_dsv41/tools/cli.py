@@ -38,6 +38,12 @@ def smoke_cmd(args) -> int:
     return smoke_main(args)
 
 
+def verify_cmd(args) -> int:
+    from sglang_dsv41.tools.verify.cli import main as verify_main
+
+    return verify_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-dsv41")
     parser.add_argument("--version", action=_VersionAction,
@@ -75,11 +81,18 @@ def main(argv=None) -> int:
 
     add_smoke_arguments(sub.add_parser(
         "smoke", help="check running servers: health, one chat completion, the plugin's metrics"))
+    from sglang_dsv41.tools.verify.cli import add_arguments as add_verify_arguments
+
+    add_verify_arguments(sub.add_parser(
+        "verify", help="start plugin and stock servers on this node and prove each feature: one report",
+        description="Start the server pairs each check needs (one at a time, on the GPUs given), send "
+        "a fixed prompt set, compare greedy tokens and the plugin's figures, stop them. Exit 0: every "
+        "selected check passed; 1: one failed or was skipped (the reason is in the report); 2: bad input."))
     args = parser.parse_args(argv)
     handler = {"doctor": doctor, "fingerprint": fingerprint_cmd,
                "patches-doc": patches_doc_cmd, "plan": plan_cmd, "smoke": smoke_cmd,
                "settings-doc": settings_doc_cmd,
-               "upgrade-check": upgrade_check_cmd}[args.cmd]
+               "upgrade-check": upgrade_check_cmd, "verify": verify_cmd}[args.cmd]
     return handler(args)
 
 
