@@ -8,6 +8,7 @@ not fail would show here.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from conftest import REPO_ROOT
 PYTHON = REPO_ROOT / "python"
 # The app module sglang's HTTP server is pointed at: it exists to load sglang.
 LOADS_SGLANG_BY_DESIGN = {"sglang_dsv41.worker_app"}
-CHILD_IMPORT = "from " + "test_"  # split, so this file does not match itself
+# A statement importing a test module, inside code written as a string for a child interpreter.
+CHILD_IMPORT = re.compile(r"(?:^|;)[ \t]*(?:import|from)[ \t]+test_\w*", re.MULTILINE)
 
 
 def test_the_package_keeps_its_layout_rules():
@@ -83,25 +85,41 @@ def _loads_by_path(node: ast.Call) -> str | None:
     return None
 
 
-def test_tests_never_import_a_test_module_or_load_a_benchmark_by_path():
+def _test_module_imports(path: Path) -> list[str]:
+    """Imports of a ``test_*`` module and loads of a benchmark by path, in code or in a code string."""
     found = []
-    for path in sorted((REPO_ROOT / "test").rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            mods = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                mods = [node.module]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            for m in mods:
-                if m.split(".")[0].startswith("test_"):
-                    found.append(f"{path}:{node.lineno}: imports {m}")
-            if isinstance(node, ast.Call) and (text := _loads_by_path(node)):
-                found.append(f"{path}:{node.lineno}: {text}")
-        for node in ast.walk(tree):  # code run in a child interpreter, written as a string
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and CHILD_IMPORT in node.value:
-                found.append(f"{path}:{node.lineno}: a child interpreter imports a test module")
-    assert found == []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        mods = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods = [node.module]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        found += [f"{path}:{node.lineno}: imports {m}" for m in mods if m.split(".")[0].startswith("test_")]
+        if isinstance(node, ast.Call) and (text := _loads_by_path(node)):
+            found.append(f"{path}:{node.lineno}: {text}")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [f"{path}:{node.lineno}: a code string imports a test module: {m.group().strip()}"
+                      for m in CHILD_IMPORT.finditer(node.value)]
+    return found
+
+
+def test_tests_never_import_a_test_module_or_load_a_benchmark_by_path():
+    assert [hit for path in sorted((REPO_ROOT / "test").rglob("*.py")) for hit in _test_module_imports(path)] == []
+
+
+OTHER_TEST = "test_" + "other"  # split, so this file does not match itself
+
+
+@pytest.mark.parametrize("code", [
+    f"import {OTHER_TEST} as steps",
+    f"from {OTHER_TEST} import helper",
+    f"import json; from {OTHER_TEST} import helper",
+])
+def test_a_code_string_importing_a_test_module_fails_the_layout(tmp_path, code):
+    child = tmp_path / "test_child.py"
+    child.write_text(f"STEP = {chr(10) + '    ' + code + chr(10)!r}\nrun_python(STEP)\n")
+    (hit,) = _test_module_imports(child)
+    assert "a code string imports a test module" in hit and OTHER_TEST in hit
 
 
 # --- the rules fail when broken: the same reader on a copy with one change

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the runner step reuses the inputs test's rank run
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the runner step runs _image_cp_rank
 
 from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.layers.cp.base import init_cp_strategy  # noqa: E402

@@ -75,9 +75,9 @@ def checkpoint(tmp_path_factory):
 # one image CP step per rank of a CP-2 group through the classes as the plugin left
 # them.
 _PLUGIN_RUNNER_STEP = """
-import test_deepseek_v41_vision_cp_inputs as steps
+from _image_cp_rank import run_rank
 for rank in range(2):
-    run = steps._run_rank(2, rank)
+    run = run_rank(2, rank)
     (logits,) = run.model.logits_calls
     (body,) = run.model.model.calls
     out = {"case": f"runner_rank{rank}", "ok": True, "module_restored": True, "result": {

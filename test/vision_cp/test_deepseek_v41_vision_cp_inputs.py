@@ -20,75 +20,28 @@ which is the layout this runner serves.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from torch import nn
 
+from _image_cp_rank import HASH_A, HASH_B, HIDDEN, extend_step, fresh_rank_state, run_rank, vision_model
 from dsv41_cp_harness import (
     RUNTIME_PATCHES,
     PeerShardsGroup,
-    expected_hidden,
-    image_item,
-    image_step,
     installed,
     interleave_rows,
-    make_v4_model,
     padded,
     physical_rows,
     rank_major,
     run_extend_cp,
 )
-from sglang.srt.managers import mm_schedule
 from sglang.srt.models.deepseek_v4 import MM_PAD_SHIFT_VALUE
-
-HIDDEN = 8
-VOCAB = 64
-IMAGE_TOKEN_ID = 5
-HASH_A, HASH_B = 0xA11CE, 0xB0B
-
-# Three requests in one extend step, as (prefix_len, extend_len):
-#  0: text only (empty multimodal inputs);
-#  1: image A at request positions [2, 7] starts inside the cached prefix (only
-#     positions 4..7 are in this chunk), then text, image B at [10, 12], text;
-#  2: no multimodal inputs at all (None).
-REQUESTS = [(0, 6), (4, 10), (0, 5)]
-
-
-def _step():
-    images = [[], [image_item(HASH_A, (2, 7)), image_item(HASH_B, (10, 12))], None]
-    return image_step(REQUESTS, images, image_token_id=IMAGE_TOKEN_ID, vocab=VOCAB)
-
-
-def _fresh_rank_state():
-    """Each CP rank is its own process with its own multimodal embedding cache."""
-    mm_schedule.init_mm_embedding_cache(1 << 20)
-    torch.manual_seed(0)
-
-
-def _run_rank(size: int, rank: int):
-    _fresh_rank_state()
-    model = make_v4_model(nn.Embedding(VOCAB, HIDDEN), vision=True,
-                          image_token_id=IMAGE_TOKEN_ID)
-    batch, model_ids, merged = _step()
-    full = merged(model.model.embed)
-    hidden, pre_norm = expected_hidden(full, batch.positions)
-    scheduler_ids = batch.input_ids
-    scheduler_copy = scheduler_ids.clone()
-    group = PeerShardsGroup(size, rank, [hidden, pre_norm])
-    result = run_extend_cp(model, batch, size, rank, group)
-    return SimpleNamespace(model=model, batch=batch, full=full, hidden=hidden,
-                           pre_norm=pre_norm, model_ids=model_ids, result=result,
-                           scheduler_ids=scheduler_ids, scheduler_copy=scheduler_copy,
-                           group=group)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_runner_merges_images_on_full_layout_before_the_shard(size):
     with installed(*RUNTIME_PATCHES):
         for rank in range(size):
-            run = _run_rank(size, rank)
+            run = run_rank(size, rank)
             rows = physical_rows(run.full.shape[0], size)
             assert run.batch.attn_cp_metadata.per_rank_actual_token == [rows] * size
 
@@ -125,14 +78,13 @@ def test_stock_runner_embeds_raw_placeholder_hashes():
     """Without VCP-RUNNER, sglang 0.5.23 embeds the scheduler's ids, placeholder
     hashes included, before any image merge: the lookup fails on the hash ids."""
     with installed("VCP-PREPARE"), pytest.raises(IndexError):
-        _run_rank(2, 0)
+        run_rank(2, 0)
 
 
 def test_external_embeddings_with_images_are_refused_before_any_collective():
-    _fresh_rank_state()
-    model = make_v4_model(nn.Embedding(VOCAB, HIDDEN), vision=True,
-                          image_token_id=IMAGE_TOKEN_ID)
-    batch, _, _ = _step()
+    fresh_rank_state()
+    model = vision_model()
+    batch, _, _ = extend_step()
     before = batch.input_ids.clone()
     group = PeerShardsGroup(2, 0)
     with installed(*RUNTIME_PATCHES), \
@@ -144,10 +96,9 @@ def test_external_embeddings_with_images_are_refused_before_any_collective():
 
 
 def test_prepare_model_inputs_is_upstream_preparation():
-    _fresh_rank_state()
-    model = make_v4_model(nn.Embedding(VOCAB, HIDDEN), vision=True,
-                          image_token_id=IMAGE_TOKEN_ID)
-    batch, model_ids, merged = _step()
+    fresh_rank_state()
+    model = vision_model()
+    batch, model_ids, merged = extend_step()
     before = batch.input_ids.clone()
     with installed("VCP-PREPARE"), torch.no_grad():
         ids, embeds = model.prepare_model_inputs(
