@@ -1,6 +1,7 @@
-"""deploy/b300-build/verify-cp-bcg.sh: input checks, and its comparison against two
-real HTTP servers on 127.0.0.1 that stand in for the eager and the opt-in sglang
-servers (the launch itself needs GPUs and runs only on the B300 node)."""
+"""deploy/b300-build/verify-cp-bcg.sh (``sglang-dsv41 verify --features cp_bcg``): input
+checks, and its comparison against two real HTTP servers on 127.0.0.1 that stand in for
+the eager and the opt-in sglang servers (the launch itself needs GPUs and runs only on the
+B300 node)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def run_script(*args, env=None, timeout=120):
                           text=True, timeout=timeout)
 
 
+def report(out):
+    return json.loads((out / "verify-report.json").read_text())
+
+
+def cp_bcg(out) -> dict:
+    (check,) = report(out)["checks"]
+    return check
+
+
 def test_bcg_verify_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
@@ -44,16 +54,15 @@ def test_bcg_verify_script_shellcheck():
         (("/tmp", "four"), {}, "TP must be an integer >= 2, got 'four'"),
         (("/tmp", "2", "3"), {}, "expected MODEL_PATH [TP]"),
         (("--urls", "http://127.0.0.1:1"), {}, "--urls takes exactly two URLs"),
-        (("--urls", "localhost:1", "http://x"), {}, "not URLs"),
-        (("--urls", "http://a", "http://b"), {"PORT": "abc"}, "PORT must be a positive integer"),
-        (("--urls", "http://a", "http://b"), {"PROMPT_WORDS": "10 x"}, "PROMPT_WORDS must be"),
+        (("--urls", "localhost:1", "http://x"), {}, "is not an http(s) URL"),
+        (("--urls", "http://a", "http://b"), {"PORT": "abc"}, "--port must be an integer"),
+        (("--urls", "http://a", "http://b"), {"PROMPT_WORDS": "10 x"}, "--prompt-words must be"),
     ],
 )
 def test_bcg_verify_script_bad_input_is_one_line_and_exit_2(args, env, message):
     proc = run_script(*args, env=env)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr.splitlines()[0]
-    assert proc.stderr.splitlines()[1].startswith("usage: ")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
@@ -96,31 +105,28 @@ def test_bcg_verify_script_compares_tokens_and_prints_the_ttft_ratio(tmp_path, d
     eager, eager_url = _stand_in_server(None)
     # the 9-word prompt's first word; the opt-in stand-in answers it differently
     bcg, bcg_url = _stand_in_server("quartz" if differ else None)
-    result = tmp_path / "result.json"
     try:
-        proc = run_script("--urls", eager_url, bcg_url + "/", env={"RESULT_FILE": str(result)})
+        proc = run_script("--urls", eager_url, bcg_url + "/", env={"OUT": str(tmp_path)})
     finally:
         eager.shutdown()
         bcg.shutdown()
-    assert "ratio (opt-in / eager)" in proc.stdout, proc.stderr
-    saved = json.loads(result.read_text())
-    assert [p["words"] for p in saved["prompts"]] == [5, 9]
-    assert saved["ttft_ratio"] > 0
+    assert "median TTFT ratio (graph / eager)" in proc.stdout, proc.stderr
+    check = cp_bcg(tmp_path)
+    assert [p["prompt"] for p in report(tmp_path)["sides"]["urls"][0]["prompts"]] == ["text-5w", "text-9w"]
+    assert check["figures"]["ttft_ratio"] > 0
     if differ:
-        assert proc.returncode == 1 and "DIFFER" in proc.stdout and "FAIL" in proc.stdout
-        assert saved["tokens_equal"] is False
+        assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout
+        assert check["figures"]["mismatches"] == ["text-9w: tokens differ from position 2 (2 vs 3 tokens)"]
     else:
-        assert proc.returncode == 0 and "PASS" in proc.stdout and "DIFFER" not in proc.stdout
-        assert saved["tokens_equal"] is True
+        assert proc.returncode == 0 and "PASS" in proc.stdout and "differ" not in proc.stdout
+        assert check["figures"]["mismatches"] == []
 
 
 @pytest.mark.timeout(60)
-def test_bcg_verify_script_unreachable_server_is_one_line_and_exit_1(tmp_path):
-    proc = run_script("--urls", "http://127.0.0.1:9", "http://127.0.0.1:9",
-                      env={"RESULT_FILE": str(tmp_path / "r.json")})
-    assert proc.returncode == 1
-    assert proc.stderr.strip().startswith("verify-cp-bcg: FAIL http://127.0.0.1:9/generate")
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+def test_bcg_verify_script_unreachable_server_fails_naming_it(tmp_path):
+    proc = run_script("--urls", "http://127.0.0.1:9", "http://127.0.0.1:9", env={"OUT": str(tmp_path)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "A: http://127.0.0.1:9/generate:" in cp_bcg(tmp_path)["detail"]
 
 
 @pytest.mark.timeout(120)
@@ -134,19 +140,17 @@ def test_bcg_verify_script_compares_the_drafts_acceptance_length(tmp_path, eager
 
     eager, eager_url = _stand_in_server(None, eager_accept)
     bcg, bcg_url = _stand_in_server(None, graph_accept)
-    result = tmp_path / "result.json"
     try:
-        proc = run_script("--urls", eager_url, bcg_url, env={"RESULT_FILE": str(result)})
+        proc = run_script("--urls", eager_url, bcg_url, env={"OUT": str(tmp_path)})
     finally:
         eager.shutdown()
         bcg.shutdown()
-    saved = json.loads(result.read_text())
-    assert saved["tokens_equal"] is True, proc.stdout
-    assert saved["acceptance"]["passed"] is passes
+    saved = report(tmp_path)
+    assert cp_bcg(tmp_path)["figures"]["mismatches"] == [], proc.stdout
     verified = [line for line in proc.stdout.splitlines() if line.startswith(DSPARK_VERIFIED_ENV + "=")]
     if passes:
         assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
-        assert "acceptance length eager 3.000, opt-in 3.000" in proc.stdout
+        assert "acceptance length eager 3.000, graph 3.000" in proc.stdout
         (line,) = verified
         value = line.split("=", 1)[1]
         assert value == saved["dspark_verified"]
@@ -163,7 +167,7 @@ def test_bcg_verify_script_without_speculation_says_acceptance_was_not_measured(
     eager, eager_url = _stand_in_server(None)
     bcg, bcg_url = _stand_in_server(None)
     try:
-        proc = run_script("--urls", eager_url, bcg_url, env={"RESULT_FILE": str(tmp_path / "r.json")})
+        proc = run_script("--urls", eager_url, bcg_url, env={"OUT": str(tmp_path)})
     finally:
         eager.shutdown()
         bcg.shutdown()
