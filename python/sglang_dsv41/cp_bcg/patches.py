@@ -12,6 +12,7 @@ FEATURE = Feature(
     summary='DeepSeek-V4 interleave prefill CP in the breakable prefill CUDA graph, opt-in with SGLANG_DSV41_CP_BCG=1 (every hook is a pass-through without it)',
     upstream='sgl-project/sglang#38603 (open: the breakable prefill graph under prefill CP)',
     remove_when='sglang runs DeepSeek-V4 interleave prefill CP in the breakable prefill graph itself (sgl-project/sglang#38603); each entry says which part it covers',
+    design_note="docs/design/cp_bcg.md",
 )
 
 PATCHES: tuple[Patch, ...] = (

@@ -1,21 +1,7 @@
 """When DeepSeek-V4 interleave prefill CP may run inside the breakable prefill CUDA graph.
 
-sglang 0.5.23 ships the generic CP breakable-graph framework but enables it only
-for GLM: every DeepSeek-V4 prefill under CP runs eagerly. This package can add
-DeepSeek-V4 to it, opt-in only, because the capture and replay path has not run
-on the target GPUs here. The opt-in is one environment variable (``cp_bcg_enabled``).
-
-The supported shape is the one the framework's interleave adapter was built
-for, narrowed to what DeepSeek-V4 text prefill needs:
-- DeepSeek-V4 model with the ``dsv4`` prefill attention backend;
-- ``--enable-prefill-cp`` with ``--cp-strategy interleave``;
-- attention CP spans the whole TP group (attn_cp == tp > 1), no pipeline
-  parallelism, no data-parallel attention;
-- expert parallelism off or equal to TP;
-- no decoder SWA bounded replay: its late-layer tail is not handled by the
-  framework's replay tail under CP;
-- text only: V4.1 with a vision tower under CP merges image features eagerly,
-  so it stays eager unless the server runs ``--language-model-only``.
+Opt-in (``cp_bcg_enabled``); the supported shape and why each limit exists are in
+docs/design/cp_bcg.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ FEATURE = Feature(
     name="embed_overrides",
     summary='token-embedding overrides never meet multimodal placeholder rows',
     remove_when='upstream refuses embedding overrides together with multimodal input; every entry goes with it',
+    design_note="docs/design/embed_overrides.md",
 )
 
 PATCHES: tuple[Patch, ...] = (

@@ -1,22 +1,7 @@
 """Token-embedding overrides must never meet multimodal placeholder rows.
 
-Why: a request with embedding overrides is embedded by looking its raw
-``input_ids`` up in the base embedding table and then scattering the override
-vectors over chosen positions. In a multimodal request the image, video and
-audio positions hold placeholder ids derived from a content hash (far above the
-vocabulary), so the same lookup over a batch that also carries such rows
-indexes outside the table: a device assert, or silently wrong embeddings when
-the lookup masks out-of-range ids. Three layers keep them apart:
-
-1. request admission refuses a request that asks for both;
-2. the scheduler never puts an override request and a multimodal request into
-   one extend batch, and stops admission at the first request that cannot join
-   (first come, first served), so the override request is admitted as soon as
-   the multimodal rows ahead of it have drained; a request that still carries
-   both when it reaches the scheduler is aborted on intake;
-3. the model runner checks the assembled batch right before the lookup.
-
-Plain logic only: no sglang imports, so every rule is unit-testable.
+The three layers that keep them apart (admission, scheduler batching, the model
+runner's last check), as plain logic; why in docs/design/embed_overrides.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ FEATURE = Feature(
     name="launch_guards",
     summary='`sglang serve` never lands in a known-crash layout',
     remove_when="sglang's own validation refuses these layouts, or a GPU re-test on the pinned release shows they no longer crash",
+    design_note="docs/design/launch_guards.md",
 )
 
 PATCHES: tuple[Patch, ...] = (

@@ -1,24 +1,8 @@
 """Flag combinations that resolve cleanly but crash (or silently waste) a DeepSeek-V4 server.
 
-sglang's argument resolution accepts these; the original deployment found the
-crashes the hard way on B300 nodes and only wrote them down in compose
-comments. They are judged on the *resolved* arguments, because sglang 0.5.23
-turns decoder SWA bounded replay on by itself where it considers it supported
-(DP attention included), so a server can land in a crashing combination
-without naming the flag.
-
-This is the one rule set: the launch guard applies it inside `sglang serve`'s
-own argument resolution (before any process starts) and `sglang-dsv41 plan`
-resolves every compose command through that same resolution, so the two cannot
-disagree. What the guard does with a match:
-
-- the operator asked for the crashing piece explicitly: refuse to start, naming
-  the flags and the way out;
-- sglang chose it by default (decoder SWA bounded replay): turn it off and say
-  so in one log line; nothing the operator asked for crashes.
-
-The replay rules come from field reports against the original fork; re-test
-them on 0.5.23 GPUs before relaxing one.
+The one rule set, judged on resolved arguments: the launch guard applies it inside
+`sglang serve` and `sglang-dsv41 plan` through the same resolution. What a match
+does, and where the rules come from: docs/design/launch_guards.md.
 """
 
 from __future__ import annotations
