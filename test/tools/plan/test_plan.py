@@ -141,6 +141,21 @@ def results(tmp_path_factory) -> dict[str, dict]:
     pd = defaults / "pd-1p1d.yml"
     pd.write_text(re.sub(r"\n\s*--(cb|health)-[a-z-]+ \S+( --(cb|health)-[a-z-]+ \S+)?", "", pd.read_text()))
     cases["warn:router-defaults"] = [str(pd)]
+    # tp.yml twice (same GPUs and ports): labelled for two hosts; both on this host, as one
+    # project name or as two (the second copy's .env renames its project).
+    for case, labels, rename in (("hosts:two", ["node-a", "node-b"], False), ("hosts:one-name", [None, None], False),
+                                 ("hosts:one", [None, None], True)):
+        cases[case] = []
+        for label in labels:
+            copy = tmp_path_factory.mktemp("host") / "b300-ds41"
+            shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns(".env"))
+            if label:
+                text = (copy / "tp.yml").read_text().replace(
+                    "sglang-mooncake-store}\n", f"sglang-mooncake-store}}\n    labels: {{sglang-dsv41.host: {label}}}\n", 1)
+                (copy / "tp.yml").write_text(text)
+            if rename and cases[case]:
+                (copy / ".env").write_text((copy / ".env.example").read_text() + "COMPOSE_PROJECT_NAME=ds41-tp-b\n")
+            cases[case].append(str(copy / "tp.yml"))
     # The normalized output of `docker compose config`, read instead of the source file.
     config = tmp_path_factory.mktemp("config") / "tp.config.yml"
     config.write_text((HERE / "compose-config" / "tp.yml").read_text().replace("__DEPLOY__", str(deploy)))
@@ -206,6 +221,19 @@ def test_alternative_topologies_together_collide_on_gpus_and_port(results):
     assert result["rc"] == 1
     errors = _errors(result["output"])
     assert any(re.match(r"cp\.yml/sglang: GPUs 0,1,2,3 are also used by tp\.yml/sglang", e) for e in errors), errors
+    assert any("port 30000 (HTTP (--port)) is also bound by tp.yml/sglang" in e for e in errors), errors
+
+
+def test_files_of_different_hosts_are_judged_apart(results):
+    two = results["hosts:two"]
+    assert two["rc"] == 0 and "plan: OK (2 sglang servers" in two["output"], two["output"]
+    assert "tp.yml/sglang [host node-a]" in two["output"] and "tp.yml/sglang [host node-b]" in two["output"]
+    errors = _errors(results["hosts:one-name"]["output"])
+    assert results["hosts:one-name"]["rc"] == 1 and len(errors) == 1, errors
+    assert "project name 'ds41-tp' is also the project of tp.yml (host local)" in errors[0], errors
+    errors = _errors(results["hosts:one"]["output"])
+    assert results["hosts:one"]["rc"] == 1 and len(errors) == 2, errors
+    assert any(re.match(r"tp\.yml/sglang: GPUs 0,1,2,3 are also used by tp\.yml/sglang", e) for e in errors), errors
     assert any("port 30000 (HTTP (--port)) is also bound by tp.yml/sglang" in e for e in errors), errors
 
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from sglang_dsv41.tools.plan.compose import Project, Service
+from sglang_dsv41.tools.plan.compose import LOCAL_HOST, Project, Service
 from sglang_dsv41.tools.plan.commands import ShellRefused, unwrap
 from sglang_dsv41.launch_guards.rules import CrashFeatures, known_crash
 from sglang_dsv41.mooncake_nvlink.routing import nvlink_intra_reason
@@ -738,9 +738,30 @@ def plugin_filtered_out(environment: dict[str, str]) -> str | None:
             return (f"SGLANG_PLUGINS={allowed} leaves out the {PLUGIN_NAME} plugin, so this container would run "
                     f"stock sglang without the DeepSeek-V4.1 fixes; add {PLUGIN_NAME} to the list or remove it")
     return None
+def project_host(project: Project) -> str:
+    """The host whose Docker daemon runs a compose file: the ``sglang-dsv41.host``
+    label its services carry (``local`` without one). One ``docker compose up``
+    talks to one daemon, so its services share that host; check_project_hosts
+    reports a file whose services disagree (this then answers the first, sorted)."""
+    hosts = sorted({service.host for service in project.services})
+    return hosts[0] if hosts else LOCAL_HOST
+
+
+def check_project_hosts(projects: list[Project]) -> list[Problem]:
+    problems = []
+    for project in projects:
+        hosts = sorted({service.host for service in project.services})
+        if len(hosts) > 1:
+            problems.append(Problem(project.compose_file.name,
+                                    f"its services are labelled for hosts {', '.join(hosts)}, but one `docker "
+                                    "compose up` starts them all on one Docker daemon: give each host its own file"))
+    return problems
+
+
 
 
 # --------------------------------------------------------------------------- compose-level checks
+    problems += check_project_hosts(projects)
 
 
 def check_projects(projects: list[Project], services: list[Service], options: PlanOptions) -> list[Problem]:
@@ -773,30 +794,33 @@ def check_depends_on(projects: list[Project]) -> list[Problem]:
 
 
 def check_names(projects: list[Project]) -> list[Problem]:
-    """Files started together must not share a project name or a container name."""
+    """Files started together on one host must not share a project name or a
+    container name (each host's Docker daemon has its own names)."""
     problems = []
-    seen_projects: dict[str, Project] = {}
+    seen_projects: dict[tuple[str, str], Project] = {}
     for project in projects:
-        other = seen_projects.get(project.name)
+        key = (project_host(project), project.name)
+        other = seen_projects.get(key)
         if other is not None and other.compose_file != project.compose_file:
             problems.append(Problem(project.compose_file.name,
-                                    f"project name {project.name!r} is also the project of {other.compose_file.name}: "
-                                    "started one after the other, compose treats them as one project and the "
-                                    "second `up` replaces or orphans the first one's containers; give each file its "
-                                    "own top-level name"))
-        seen_projects.setdefault(project.name, project)
-    owners: dict[str, Service] = {}
+                                    f"project name {project.name!r} is also the project of {other.compose_file.name} "
+                                    f"(host {key[0]}): started one after the other, compose treats them as one "
+                                    "project and the second `up` replaces or orphans the first one's containers; "
+                                    "give each file its own top-level name"))
+        seen_projects.setdefault(key, project)
+    owners: dict[tuple[str, str], Service] = {}
     for project in projects:
         for service in project.services:
             if not service.container_name:
                 continue
-            other = owners.get(service.container_name)
+            key = (service.host, service.container_name)
+            other = owners.get(key)
             if other is not None:
                 problems.append(Problem(service.label, f"container_name {service.container_name} is also the "
                                                        f"container name of {other.label}; docker allows one "
                                                        "container per name"))
             else:
-                owners[service.container_name] = service
+                owners[key] = service
     return problems
 
 
@@ -819,14 +843,14 @@ def check_host_network_names(projects: list[Project], services: list[Service]) -
     """Service names resolve only on compose networks: not from a host-network
     service, and not to a host-network service."""
     problems = []
-    by_project: dict[str, dict[str, Service]] = {}
+    by_project: dict[tuple[str, str], dict[str, Service]] = {}
     for service in services:
-        names = by_project.setdefault(service.project, {})
+        names = by_project.setdefault((service.host, service.project), {})
         names.setdefault(service.name, service)
         if service.container_name:
             names.setdefault(service.container_name, service)
     for service in services:
-        names = by_project.get(service.project, {})
+        names = by_project.get((service.host, service.project), {})
         reported = set()
         for host, text in _addressed_hosts(service):
             target = names.get(host)
