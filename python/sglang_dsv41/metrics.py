@@ -113,6 +113,10 @@ SERIES: Tuple[Series, ...] = (
            "Decode: staging slots leased to prefill peers at registration, refused because "
            "every slot is leased (that peer then uses the direct path), or, in peer mode, "
            "peer maps sent.", "granted, pool_full, peer_map"),
+    Series("nvlink_cross_host_peers", "counter", None,
+           "Prefill, Mooncake's intra-node NVLink transport configured: decode sessions found on "
+           "another host (counted once per session); their transfers skip the host-block routing "
+           "and KV peer writes and go to Mooncake unchanged."),
     Series("pd_pairings_refused", "counter", None,
            "PD handshakes the DSpark pairing rule refused on the decode side."),
     Series("retraction_aborts", "counter", "reason",
@@ -246,6 +250,11 @@ def count_kv_staging(series: str, label: str) -> None:
 
 def count_agreement_failure() -> None:
     _add("owner_agreement_failures")
+
+
+def count_cross_host_peer() -> None:
+    """A decode session on another host, met once per session."""
+    _add("nvlink_cross_host_peers")
 
 
 def count_pairing_refused() -> None:

@@ -33,6 +33,7 @@ from sglang_dsv41 import metrics as m
 from sglang_dsv41.owner_broadcast.routing import Route
 imported_early = "prometheus_client" in sys.modules
 m.count_pairing_refused()                          # before the decision: kept
+m.count_cross_host_peer()
 decided = m.configure({enabled})
 m.role_verified("scheduler", 9, 9)
 m.launch_guard_verdict({guard_rule!r})
@@ -141,6 +142,7 @@ def test_counts_of_another_process_reach_sglangs_metrics_endpoint(tmp_path, monk
         'sglang_dsv41_side_channel_bytes_total{direction="sent"}': 4096.0,
         'sglang_dsv41_side_channel_drops_total{direction="receive"}': 1.0,
         'sglang_dsv41_pd_pairings_refused_total': 1.0,
+        'sglang_dsv41_nvlink_cross_host_peers_total': 1.0,
         'sglang_dsv41_kv_staging_batches_total{path="peer_pages"}': 2.0,
         'sglang_dsv41_kv_staging_batches_total{path="failed"}': 1.0,
         'sglang_dsv41_kv_staging_held_writes_total{outcome="written"}': 1.0,

@@ -124,6 +124,19 @@ def _side_channel(manager, session_id: str) -> SideChannel:
     return SideChannel(room=int(room), send=send)
 
 
+def _peer_on_this_host(state: RoutingState, session_id: str) -> bool:
+    here, decided = state.place_peer(session_id)
+    if decided and not here:
+        metrics.count_cross_host_peer()
+        logger.warning(
+            "[sglang-dsv41] decode session %s runs on another host: Mooncake's intra-node NVLink "
+            "transport (%s) cannot reach it, so its transfers skip the host-block routing and KV "
+            "peer writes; between hosts use MOONCAKE_PROTOCOL=rdma with --disaggregation-ib-device",
+            session_id, state.reason,
+        )
+    return here
+
+
 def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
     """AROUND MooncakeKVManager._transfer_data: device blocks to the engine, host blocks beside it."""
     if kv_staging.captured(transfer_blocks):  # a dry run that only learns a call's layout
@@ -131,7 +144,7 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
     if held.room_failed():  # a peer write of this request failed: nothing more goes to the decode
         return 0
     state = routing_state(self)
-    if state is None or not transfer_blocks:
+    if state is None or not transfer_blocks or not _peer_on_this_host(state, mooncake_session_id):
         return original(self, mooncake_session_id, transfer_blocks)
     if not isinstance(transfer_blocks, list):
         transfer_blocks = list(transfer_blocks)

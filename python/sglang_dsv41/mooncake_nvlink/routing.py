@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import bisect
 import enum
+import errno
+import ipaddress
 import logging
 import os
+import socket
 import struct
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional, Protocol, Sequence
@@ -40,6 +43,51 @@ def nvlink_intra_reason(environ: Optional[Mapping[str, str]] = None) -> Optional
 
 def nvlink_intra_active(environ: Optional[Mapping[str, str]] = None) -> bool:
     return nvlink_intra_reason(environ) is not None
+
+
+# --- is the decode peer on this host -------------------------------------------
+
+
+def session_host(session_id: str) -> str:
+    """The host part of a Mooncake session id (``host:port``, ``[v6]:port``)."""
+    host = session_id.rpartition(":")[0] if ":" in session_id else session_id
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def address_is_here(host: str) -> Optional[bool]:
+    """Whether ``host`` is an address of this machine (of this network namespace),
+    or None when that cannot be told (a name that does not resolve, no address).
+
+    The kernel's own answer: a datagram socket connected to one of this machine's
+    addresses takes that very address as its source, to any other address it
+    takes another one, and with no route there at all the address is certainly
+    not ours. Intra-node pieces must stay on for None: wrongly calling a local
+    peer remote would send host blocks to a transport that cannot carry them."""
+    if not host:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    verdict = None
+    for family, _, _, _, address in infos:
+        target = ipaddress.ip_address(address[0].split("%", 1)[0])
+        if target.is_loopback:
+            return True
+        if target.is_unspecified:
+            continue
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)  # sends nothing: only picks the route and source address
+                source = ipaddress.ip_address(probe.getsockname()[0].split("%", 1)[0])
+        except OSError as exc:
+            if exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+                verdict = False
+            continue
+        if source == target:
+            return True
+        verdict = False
+    return verdict
 
 
 # --- memory classification and raw access ------------------------------------

@@ -6,10 +6,11 @@ the other for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Optional
 
-from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryAccess, TransferRouter
+from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryAccess, TransferRouter, address_is_here, session_host
 
 ROUTING_STATE_ATTR = "_dsv41_nvlink_routing"
 
@@ -20,6 +21,24 @@ class RoutingState:
     memory: MemoryAccess
     router: TransferRouter
     kinds: KindTable
+    # Decode session id -> whether it runs on this host, decided at its first transfer.
+    peer_here: dict = field(default_factory=dict)
+    peer_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def place_peer(self, session_id: str) -> tuple[bool, bool]:
+        """(the decode of ``session_id`` runs on this host, this call decided it).
+
+        A peer is remote only when its address is certainly not this machine's;
+        one the kernel cannot place keeps the intra-node pieces."""
+        here = self.peer_here.get(session_id)
+        if here is not None:
+            return here, False
+        with self.peer_lock:
+            if session_id in self.peer_here:
+                return self.peer_here[session_id], False
+            here = address_is_here(session_host(session_id)) is not False
+            self.peer_here[session_id] = here
+            return here, True
 
 
 def routing_state(manager) -> Optional[RoutingState]:
