@@ -156,7 +156,8 @@ def _verdict(f: CrashFeatures) -> GuardVerdict:
             f"{LOG_PREFIX} refusing to start: {CP_BCG_ENV}=1 puts DeepSeek-V4 prefill CP with "
             "DSpark in the breakable prefill graph, whose replay has not been shown to feed the "
             f"draft the hidden states eager prefill does ({unverified}); run "
-            "deploy/b300-build/verify-cp-bcg.sh with the DSpark flags in EXTRA_ARGS and set "
+            "deploy/b300-build/verify-cp-bcg.sh MODEL_PATH TP (sglang-dsv41 verify --features "
+            "cp_bcg) and set "
             f"{DSPARK_VERIFIED_ENV} to the value it prints, or unset {CP_BCG_ENV} (eager CP prefill)",
         )
     rule = _replay_rule(f)

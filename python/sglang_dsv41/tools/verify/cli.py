@@ -284,7 +284,8 @@ def _table(results: list) -> str:
 def _dry_run(plan: Plan, numbers) -> str:
     out = []
     for check in plan.checks:
-        state = f"skipped: {check.skip}" if check.skip else f"runs on pair {check.pair or '(reads the others)'}"
+        where = check.pair or "(reads the others)"
+        state = f"skipped: {check.skip}" if check.skip else f"runs on pair {where}"
         out.append(f"check {check.name}: {state}\n    proves: {CLAIMS[check.name]}")
     for pair in plan.pairs:
         out.append(f"pair {pair.name} (one side at a time, on the same GPUs):")
@@ -344,8 +345,9 @@ def main(args) -> int:
                 progress(f"pair {pair.name}")
                 measured[pair.name] = [_measure(side, pair, numbers, out / "logs") for side in pair.sides]
     except KeyboardInterrupt:
-        stopped = stop_all()
-        print(f"verify: interrupted; stopped {stopped} server(s) it had started", file=sys.stderr)
+        started = stop_all()
+        print(f"verify: interrupted; every server it started is stopped ({started} in all)",
+              file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -19,6 +19,7 @@ from pathlib import Path
 from sglang_dsv41.tools.verify.plan import CONTROLLED_ENV, Proc
 
 RUNNING: list = []
+STARTED: list = []  # every process started in this run
 STOP_GRACE_S = 60
 
 
@@ -60,6 +61,7 @@ class Started:
             self.popen = subprocess.Popen(self.proc.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
         RUNNING.append(self)
+        STARTED.append(self)
         return self
 
     def log(self) -> str:
@@ -119,8 +121,7 @@ class Started:
 
 
 def stop_all() -> int:
-    stopped = 0
+    """Stop what still runs; how many processes this run started in all."""
     for started in reversed(list(RUNNING)):
         started.stop()
-        stopped += 1
-    return stopped
+    return len(STARTED)
