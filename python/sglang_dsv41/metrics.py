@@ -331,10 +331,6 @@ def totals() -> Dict[str, Dict[str, float]]:
 # Decision and export
 
 
-def is_on() -> bool:
-    return bool(_decided)
-
-
 def configure(enabled: bool, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Decide for this process whether the series are exported; returns the decision.
 

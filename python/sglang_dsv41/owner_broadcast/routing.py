@@ -248,16 +248,6 @@ def gather_spans(
     return _first_per_hash_and_length(span for found in parts for span in found), contributors
 
 
-def chunk_spans(
-    requests: Sequence[Sequence[ItemMeta]],
-    extend_prefix_lens: Sequence[int],
-    extend_seq_lens: Sequence[int],
-) -> List[ChunkSpan]:
-    """``gather_spans`` for requests given as item lists (built afresh)."""
-    tables = [RequestImages(items) if items else None for items in requests]
-    return gather_spans(tables, extend_prefix_lens, extend_seq_lens)[0]
-
-
 class SpanDirectory:
     """The spans this group completed recently, least recently used first,
     bounded in bytes like the embedding cache it shadows.
@@ -283,13 +273,6 @@ class SpanDirectory:
 
     def __contains__(self, key: DirectoryKey) -> bool:
         return key in self._entries
-
-    def knows_all(self, spans: Sequence[ChunkSpan]) -> bool:
-        entries = self._entries
-        for span in spans:
-            if span not in entries:
-                return False
-        return True
 
     def touch(self, spans: Sequence[ChunkSpan]) -> None:
         """Mark spans the directory holds as just used, in order (what the
