@@ -118,7 +118,8 @@ SERIES: Tuple[Series, ...] = (
            "another host (counted once per session); their transfers skip the host-block routing "
            "and KV peer writes and go to Mooncake unchanged."),
     Series("pd_pairings_refused", "counter", None,
-           "PD handshakes the DSpark pairing rule refused on the decode side."),
+           "PD handshakes a decode refused (the DSpark pairing rule, or sglang's own page size, "
+           "KV dtype, layout or TP checks); the requests bound to them failed, the decode kept serving."),
     Series("retraction_aborts", "counter", "reason",
            "Requests a decode's retraction aborted instead of retracting, by reason. "
            "vision_inputs: a DeepSeek-V4 PD decode recomputes retracted requests from token "

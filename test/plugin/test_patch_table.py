@@ -67,6 +67,7 @@ ORDER = (
     ("MC-KVS-STATE", "around", "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra"),
     ("MC-KVS-CONCLUDE", "around", "sglang.srt.disaggregation.common.conn.CommonKVManager.conclude_transfer"),
     ("PDH-PAIRING", "around", "sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info"),
+    ("PDH-REFUSAL", "around", "sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info"),
     ("PDR-RECOMPUTE-RANK", "before", "sglang.srt.disaggregation.decode.DecodePreallocQueue._submit_prefill_recompute"),
     ("PDR-ABORT-REASON", "after", "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"),
     ("EMB-ADMIT", "before", "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"),

@@ -181,3 +181,41 @@ def around_try_ensure_parallel_info(original, self, *args, **kwargs):
             f"{bootstrap_addr} without the DSpark pairing check; refusing to pair"
         )
     return ready
+
+
+def around_ensure_prefill_info(original, self, addr_to_reqs):
+    """AROUND DecodePreallocQueue._ensure_prefill_info(self, addr_to_reqs) (decode side).
+
+    A prefill the decode must not pair with (the pairing rule's refusal, or one of
+    sglang's own page size / KV dtype / layout / TP checks) raises out of the
+    scheduler loop, and the decode server goes down with it. Each prefill address
+    is resolved on its own (upstream's loop handles them independently); a refused
+    one fails only the requests bound to it, naming the refusal, and the decode
+    keeps serving every other prefill.
+    """
+    ready, remaining = {}, []
+    for bootstrap_addr, reqs in addr_to_reqs.items():
+        try:
+            addr_ready, addr_remaining = original(self, {bootstrap_addr: reqs})
+        except RuntimeError as exc:
+            _fail_refused(self.kv_manager, bootstrap_addr, reqs, exc)
+            continue
+        ready.update(addr_ready)
+        remaining.extend(addr_remaining)
+    return ready, remaining
+
+
+def _fail_refused(kv_manager, bootstrap_addr: str, reqs, exc: RuntimeError) -> None:
+    if not isinstance(exc, PairingRejected):  # the rule counted its own refusal
+        metrics.count_pairing_refused()
+    message = (
+        f"[sglang-dsv41] pd-handshake: refused to pair with the prefill at {bootstrap_addr}: "
+        f"{exc} ({len(reqs)} request(s) failed; the decode keeps serving)"
+    )
+    logger.error(message)
+    for decode_req in reqs:
+        if decode_req.kv_receiver is None:
+            continue
+        decode_req.kv_receiver.abort()
+        # The client reads the refusal, not abort()'s generic reason.
+        kv_manager.record_failure(decode_req.req.bootstrap_room, message)

@@ -34,4 +34,24 @@ PATCHES: tuple[Patch, ...] = (
         signature="(self, bootstrap_addr: str)",
         ast_sha="4ba2b8ed17654460",
     ),
+    Patch(
+        id="PDH-REFUSAL",
+        group="pd_handshake",
+        target="sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info",
+        kind=HookKind.AROUND,
+        hook="sglang_dsv41.pd_handshake.hooks:around_ensure_prefill_info",
+        roles=roles(Role.SCHEDULER),
+        reason="A refused pairing (PDH-PAIRING's rule, or sglang's own page size, KV dtype, "
+        "layout or TP checks in try_ensure_parallel_info) raises out of the decode scheduler's "
+        "loop and takes the whole decode server down at the first request from that prefill. "
+        "AROUND that resolves each prefill address on its own (upstream's loop treats them "
+        "independently) and, for a refused one, aborts the requests bound to it with the "
+        "refusal as their failure reason, the way upstream's own give-up path aborts them; "
+        "counted in pd_pairings_refused.",
+        source="this package (a refused pair fails its requests, not the decode)",
+        remove_when="sglang fails the requests of a refused pairing instead of raising out of the "
+        "decode scheduler loop",
+        signature="(self, addr_to_reqs: Dict[str, List[DecodeRequest]])",
+        ast_sha="0fddcba7b52353bc",
+    ),
 )
