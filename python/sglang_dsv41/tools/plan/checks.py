@@ -336,16 +336,17 @@ def listening_ports(plan: Plan, all_services: list[Service]) -> list[tuple[Servi
 
 def check_ports(plan: Plan, all_services: list[Service]) -> list[Problem]:
     problems = []
-    owner: dict[tuple[str, int], tuple[str, str]] = {}
+    owner: dict[tuple[str, int], tuple[Service, str]] = {}
     for svc, port, what in listening_ports(plan, all_services):
         key = (svc.host, port)
-        if key in owner and owner[key][0] != svc.label:
+        # By identity: two copies of one file (two deployments) share their labels.
+        if key in owner and owner[key][0] is not svc:
             other, other_what = owner[key]
-            problems.append(Problem(svc.label, f"port {port} ({what}) is also bound by {other} ({other_what})"))
+            problems.append(Problem(svc.label, f"port {port} ({what}) is also bound by {other.label} ({other_what})"))
         elif key in owner:
             problems.append(Problem(svc.label, f"port {port} is bound twice ({owner[key][1]} and {what})"))
         else:
-            owner[key] = (svc.label, what)
+            owner[key] = (svc, what)
     return problems
 
 

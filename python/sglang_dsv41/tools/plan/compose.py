@@ -220,7 +220,12 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
-def _check_yaml_size(text: str, shown: str) -> None:
+def check_yaml_bounds(text: str, shown: str) -> None:
+    """Refuse deep nesting and alias bombs, and nothing else (YAML errors are the reader's to report)."""
+    _check_yaml_size(text, shown, syntax_errors=False)
+
+
+def _check_yaml_size(text: str, shown: str, syntax_errors: bool = True) -> None:
     """Walk the YAML events once and refuse deep nesting and alias bombs.
 
     An alias stands for the whole node it names, so the size after expansion is
@@ -260,7 +265,8 @@ def _check_yaml_size(text: str, shown: str) -> None:
                 raise ComposeError(f"{shown}: more than {MAX_YAML_NODES} YAML nodes once aliases are "
                                    "expanded (an alias bomb?)")
     except yaml.YAMLError as exc:
-        raise ComposeError(f"{shown}: not valid YAML: {_yaml_problem(exc)}") from None
+        if syntax_errors:
+            raise ComposeError(f"{shown}: not valid YAML: {_yaml_problem(exc)}") from None
     finally:
         loader.dispose()
 
@@ -694,16 +700,20 @@ class _Loader:
         return merged
 
 
+def project_env_file(compose_file: Path) -> Path | None:
+    """The variables file of a project: ``.env`` beside the file, else its ``.env.example``."""
+    directory = compose_file.resolve().parent
+    for name in (".env", ".env.example"):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
 def project_lookup(compose_file: Path, environ: Mapping[str, str],
                    budget: _Budget | None = None) -> tuple[Callable, Path | None]:
     """Variables for interpolation: the process environment over the project's
     ``.env``; without a ``.env``, its ``.env.example`` stands in (reported)."""
-    directory = compose_file.resolve().parent
-    env_path: Path | None = directory / ".env"
-    if not env_path.is_file():
-        env_path = directory / ".env.example"
-    if not env_path.is_file():
-        env_path = None
+    env_path = project_env_file(compose_file)
     file_values = read_env_file(env_path, environ, budget) if env_path is not None else {}
 
     def lookup(name: str) -> str | None:
@@ -819,8 +829,12 @@ def load_compose_config(source: str, stdin=None) -> Project:
 
 
 def _load_compose_config(text: str, path: Path, shown: str) -> Project:
+    return compose_config_project(parse_yaml(text, shown), path, shown)
+
+
+def compose_config_project(tree: Any, path: Path, shown: str) -> Project:
+    """A project from the parsed output of ``docker compose config``."""
     budget = _Budget()
-    tree = parse_yaml(text, shown)
     if not isinstance(tree, dict):
         raise ComposeError(f"{shown}: the output of docker compose config is a mapping, not {_kind(tree)}")
 
