@@ -24,18 +24,13 @@ engine pair and buffers, in interleaved rounds:
               the engine) per prefill chunk's KV batch, then one per state call;
 - routed:     the same batches through ``TransferRouter.route``;
 - contiguous: one write of the request's total bytes as a single block;
-- staged:     KV staging (``SGLANG_DSV41_KV_STAGING``): routing, then each
-              batch of at least --staging-min-blocks device blocks gathered
-              into a registered buffer, one engine write into the receiver's
-              slot, a staged-blocks message, the receiver's scatter and its
-              acknowledgement; timed end to end (--no-staging leaves it out);
-- peer:       peer writes (``core.peer_copy``): the receiver exports its
-              destination buffers (CUDA IPC on the GPU, its host memory for
-              ``process_vm_writev`` in CPU mode) and hands the map over in the
-              handshake; the sender routes, then writes each batch of at least
-              --peer-min-blocks device blocks with one batched copy straight
-              into the receiver's buffers, smaller batches the direct way
-              (--no-peer leaves it out);
+- peer:       peer writes (``SGLANG_DSV41_KV_STAGING=peer``): the receiver
+              exports its destination buffers (CUDA IPC on the GPU, its host
+              memory for ``process_vm_writev`` in CPU mode) and hands the map
+              over in the handshake; the sender routes, then writes each
+              batch of at least --peer-min-blocks device blocks with one
+              batched copy straight into the receiver's buffers, smaller
+              batches the direct way (--no-peer leaves it out);
 - pages:      the plugin's page path for peer writes: each send call as sglang
               makes it (buffers, bytes per page, int32 page arrays) written with
               ``send_paged_batch``, no block list, no router pass; the call's
@@ -427,30 +422,11 @@ def setup_dsv41(args, sender: bool):
     plan = plan_registration(regions, memory.kind_of)
     if len(plan.register) != len(buffers):
         raise RuntimeError(f"expected {len(buffers)} device regions, classified {len(plan.register)}")
-    staging = staging_memory(args, sender)
-    if staging is not None:
-        plan.register.append(staging[1].region)
-    args.staging = staging
     ptrs, lens = zip(*plan.register)
     rc = engine.batch_register_memory(list(ptrs), list(lens))
     if rc != 0:
         raise RuntimeError(f"batch_register_memory returned {rc}")
     return torch, engine, memory, plan, buffers, aux
-
-
-def staging_memory(args, sender: bool):
-    """(copier, gather buffers or slot pool) of KV staging, sized for the largest batch."""
-    if args.pattern != "dsv41" or args.no_staging:
-        return None
-    from sglang_dsv41.mooncake_nvlink.kv_staging import batch_copy
-    from sglang_dsv41.mooncake_nvlink.kv_staging.slots import LocalBuffers, SlotPool, StagingConfig
-
-    largest = max(sum(sp[3] for sp in batch) for _, t, lay in DSV41_CASES
-                  for batch in dsv41_batches(t, lay))
-    config = StagingConfig(slots=1, slot_bytes=-(-largest // MiB) * MiB, min_blocks=args.staging_min_blocks)
-    copier = (batch_copy.batch_copy_for(args.gpu, prefer=args.staging_copy) if args.mode == "gpu"
-              else batch_copy.HostBatchCopy())
-    return copier, (LocalBuffers if sender else SlotPool)(copier, config), config
 
 
 def peer_transport(args):
@@ -496,30 +472,7 @@ def _spans_digest(torch, buffers, spans, dst: bool) -> bytes:
 
 def run_dsv41_receiver(args) -> None:
     torch, engine, memory, plan, buffers, aux = setup_dsv41(args, sender=False)
-    from sglang_dsv41.mooncake_nvlink.kv_staging.slots import StagedReceiver, is_staged_message
-
     channel = Channel.listen(args.channel)
-    grant, staged = None, None
-    if args.staging is not None:
-        copier, pool, _ = args.staging
-        g = pool.lease("benchmark sender")
-        grant = [g.slot_ptr, g.slot_bytes, g.lease]
-        clock = {"handle_s": 0.0, "copy_s": 0.0}
-
-        class ClockedCopy:
-            backend = copier.backend
-
-            @staticmethod
-            def copy(*a):
-                t0 = time.perf_counter()
-                try:
-                    if args.staging_null_scatter:  # what the path costs without the receiver's GPU work
-                        return None
-                    return copier.copy(*a)
-                finally:
-                    clock["copy_s"] += time.perf_counter() - t0
-
-        staged = StagedReceiver(pool, [(t.data_ptr(), t.numel()) for t in buffers], ClockedCopy())
     peer_map = None
     transport = peer_transport(args)
     if transport is not None:  # the buffers the engine writes into, as the decode side exports them
@@ -534,23 +487,13 @@ def run_dsv41_receiver(args) -> None:
         peer_map = encode_peer_frames(encode_peer_map(exported))
     print("READY " + json.dumps({
         "session": f"127.0.0.1:{engine.get_rpc_port()}",
-        "addrs": [t.data_ptr() for t in buffers], "port": channel.port, "grant": grant,
-        "peer_map": peer_map,
+        "addrs": [t.data_ptr() for t in buffers], "port": channel.port, "peer_map": peer_map,
     }), flush=True)
     channel.accept()
     while True:
         frames = channel.recv(timeout_s=3600)
-        if staged is not None and is_staged_message(frames):
-            t0 = time.perf_counter()
-            verdict = staged.handle(frames)
-            clock["handle_s"] += time.perf_counter() - t0
-            channel.send(verdict.ack)
-        elif frames[0] == b"PING":
+        if frames[0] == b"PING":
             channel.send([b"PONG"])
-        elif frames[0] == b"STATS":  # the scatter clock since the last STATS, then reset
-            channel.send([b"STATS", json.dumps(clock if staged is not None else {}).encode()])
-            if staged is not None:
-                clock.update(handle_s=0.0, copy_s=0.0)
         elif frames[0] == b"CLEAR":
             for t in buffers:
                 t.zero_()
@@ -590,45 +533,6 @@ def run_dsv41_sender(args) -> None:
 
     def routed(blocks):
         return router.route(blocks, funnel, lambda: side)
-
-    staged = None
-    if args.staging is not None and peer.get("grant"):
-        from sglang_dsv41.mooncake_nvlink.kv_staging.slots import Grant, GrantState, StagedSender, parse_ack
-
-        copier, local, config = args.staging
-        phases = {"gather": 0.0, "write": 0.0, "notify": 0.0, "ack": 0.0, "send": 0.0}
-
-        def clocked(name, fn):  # where the staged path's time goes
-            def run(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    phases[name] += time.perf_counter() - t0
-            return run
-
-        class ClockedCopy:
-            backend = copier.backend
-            copy = staticmethod(clocked("gather", copier.copy))
-
-        sender = StagedSender(ClockedCopy(), local, config)
-        grant_state = GrantState(Grant(*peer["grant"]))
-
-        def await_ack(nonce, timeout_s):
-            got, refusal = parse_ack(channel.recv(timeout_s=timeout_s))
-            if got != nonce:
-                raise RuntimeError("acknowledgement out of order")
-            return refusal
-
-        staged_write, staged_notify = clocked("write", funnel), clocked("notify", channel.send)
-        staged_ack = clocked("ack", await_ack)
-
-        def staged_device(blocks):
-            return clocked("send", sender.send)(blocks, grant_state, 1, "tcp://127.0.0.1:1",
-                                                 staged_write, staged_notify, staged_ack).rc
-
-        def staged(blocks):  # as in production: routing first, staging for the device blocks
-            return router.route(blocks, staged_device, lambda: side)
 
     peer_path, peer_counts = None, {}
     transport = peer_transport(args)
@@ -730,8 +634,6 @@ def run_dsv41_sender(args) -> None:
         flat = [[(src_addrs[FLAT_BUFFER], dst_addrs[FLAT_BUFFER], nbytes)]]
         paths = {"stock": request(funnel, batches), "routed": request(routed, batches),
                  "contiguous": request(funnel, flat)}
-        if staged is not None:
-            paths["staged"] = request(staged, batches)
         if peer_path is not None:
             paths["peer"] = request(peer_path, batches)
             # the layouts the plugin learns and checks once per kind of call, and sglang's int32 page arrays
@@ -750,11 +652,6 @@ def run_dsv41_sender(args) -> None:
             timed(fn, 3)
         samples = {k: [] for k in paths}
         names = list(paths)
-        if staged is not None:
-            for k in phases:
-                phases[k] = 0.0
-            channel.send([b"STATS"])  # resets the receiver's scatter clock
-            channel.recv()
         for _ in range(args.rounds):
             times = {k: [] for k in paths}
             for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
@@ -762,14 +659,6 @@ def run_dsv41_sender(args) -> None:
                     times[k].append(timed(paths[k], 1))
             for k, v in times.items():
                 samples[k].append(statistics.median(v))
-        staged_phases = None
-        if staged is not None:
-            count = args.rounds * args.iters
-            channel.send([b"STATS"])
-            rx = json.loads(channel.recv()[1])
-            staged_phases = {k: v / count * 1e6 for k, v in phases.items()}
-            staged_phases["receiver_handle"] = rx["handle_s"] / count * 1e6
-            staged_phases["receiver_scatter"] = rx["copy_s"] / count * 1e6
         # The Python cost alone: the engine call replaced by a no-op.
         def noop(blocks):
             if blocks:
@@ -783,7 +672,7 @@ def run_dsv41_sender(args) -> None:
         # Byte-exact: clear the receiver, move the request once through each moving path.
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
-        moving = ["routed"] + (["staged"] if staged is not None and not args.staging_null_scatter else [])
+        moving = ["routed"]
         moving += ["peer", "pages", "held"] if peer_path is not None else []
         ways_of = {}
         for k in moving:
@@ -807,11 +696,6 @@ def run_dsv41_sender(args) -> None:
         row["stock_x_contiguous"] = row["stock_us"] / row["contiguous_us"]
         row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
         row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
-        if staged is not None:
-            row["staged_phases_us"] = staged_phases
-            row["staged_x_contiguous"] = row["staged_us"] / row["contiguous_us"]
-            row["staged_over_stock"] = statistics.median(
-                s / r for s, r in zip(samples["stock"], samples["staged"]))
         for k in ("peer", "pages", "held") if peer_path is not None else ():
             row[f"{k}_x_contiguous"] = row[f"{k}_us"] / row["contiguous_us"]
             row[f"{k}_over_stock"] = statistics.median(
@@ -828,13 +712,11 @@ def run_dsv41_sender(args) -> None:
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
             f"routed/stock {row['routed_over_stock']:.3f}"
-            + (f", staged {row['staged_us']:.0f} us ({row['staged_x_contiguous']:.1f}x contiguous)"
-               if staged is not None else "")
             + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous), pages "
                f"{row['pages_us']:.0f} us ({row['pages_x_contiguous']:.1f}x), held {row['held_us']:.0f} us "
                f"({row['held_x_contiguous']:.1f}x)" if peer_path is not None else "")
             + f", exact {exact}")
-    # The side channel's own round trip, for reading the staged path's ack wait.
+    # The side channel's own round trip.
     pings = []
     for _ in range(200):
         t0 = time.perf_counter()
@@ -843,50 +725,12 @@ def run_dsv41_sender(args) -> None:
         pings.append(time.perf_counter() - t0)
     ping_us = statistics.median(pings[20:]) * 1e6
     log(f"  side channel round trip (zmq or socket, no GPU work): median {ping_us:.0f} us")
-    if args.staging_probe and staged is not None:
-        staging_probe(args, torch, copier, local, peer, funnel, src_addrs, dst_addrs, channel)
     channel.send([b"BYE"])
     channel.recv()
     print("RESULT " + json.dumps({"rows": rows, "channel_round_trip_us": ping_us,
                                   "memory_backend": getattr(memory, "backend", type(memory).__name__)}),
           flush=True)
     os._exit(0)
-
-
-def staging_probe(args, torch, copier, local, peer, funnel, src_addrs, dst_addrs, channel) -> None:
-    """Each piece of the staged path alone, on the KV batch of an 8k fragmented request; median of 50."""
-    import numpy as np
-
-    def median_us(fn, n=50):
-        fn()
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out) * 1e6
-
-    spans = dsv41_batches(8192, "fragmented")[0]
-    blocks = [(src_addrs[b] + so, dst_addrs[b] + do, n) for b, so, do, n in spans]
-    nbytes = sum(n for *_, n in spans)
-    slot = peer["grant"][0]
-    buf = local.take()
-    srcs = np.array([b[0] for b in blocks], dtype=np.uint64)
-    lens = np.array([b[2] for b in blocks], dtype=np.uint64)
-    offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64)
-    rows = {
-        "gather (batched copy, synchronized)": lambda: copier.copy(srcs, offs + np.uint64(buf), lens),
-        "write staging buffer -> slot": lambda: funnel([(buf, slot, nbytes)]),
-        "write flat source -> flat destination": lambda: funnel([(src_addrs[FLAT_BUFFER], dst_addrs[FLAT_BUFFER], nbytes)]),
-        "write staging buffer -> flat destination": lambda: funnel([(buf, dst_addrs[FLAT_BUFFER], nbytes)]),
-        "write flat source -> slot": lambda: funnel([(src_addrs[FLAT_BUFFER], slot, nbytes)]),
-        f"write the {len(blocks)} blocks directly": lambda: funnel(blocks),
-        "device synchronize": (lambda: torch.cuda.synchronize()) if args.mode == "gpu" else (lambda: None),
-    }
-    log(f"  staging probe, {len(blocks)} blocks, {nbytes / 1e6:.1f} MB, median of 50 us:")
-    for name, fn in rows.items():
-        log(f"    {name:42s} {median_us(fn):9.1f}")
-    local.give_back(buf)
 
 
 def print_dsv41(run: dict, title: str, gpu: bool = True) -> None:
@@ -899,25 +743,6 @@ def print_dsv41(run: dict, title: str, gpu: bool = True) -> None:
               f"{r['stock_us']:9.0f} {r['routed_us']:10.0f} {r['contiguous_us']:10.0f} "
               f"{r['routed_over_stock']:13.3f} {r['stock_x_contiguous']:14.1f}x {per_block:9.2f} "
               f"{r['python_routed_us'] - r['python_stock_us']:7.1f} {str(r['byte_exact']):>6}")
-    if any("staged_us" in r for r in run["rows"]):
-        print(f"\n{'request':>16} {'staged us':>10} {'contig us':>10} {'staged x contig':>16} "
-              f"{'stock x contig':>15} {'stock/staged':>13}")
-        for r in run["rows"]:
-            print(f"{r['case']:>16} {r['staged_us']:10.0f} {r['contiguous_us']:10.0f} "
-                  f"{r['staged_x_contiguous']:15.1f}x {r['stock_x_contiguous']:14.1f}x "
-                  f"{r['staged_over_stock']:13.2f}")
-        print("staged: KV staging (gather, one write per batch, scatter, acknowledgement), "
-              "end to end until the receiver has scattered and answered")
-        print(f"\n{'request':>16} per staged request, us: {'gather':>7} {'write':>7} {'notify':>7} "
-              f"{'ack wait':>9} {'send':>7} | receiver: {'handle':>7} {'scatter':>8}")
-        for r in run["rows"]:
-            ph = r["staged_phases_us"]
-            print(f"{r['case']:>16} {'':>24}{ph['gather']:7.0f} {ph['write']:7.0f} {ph['notify']:7.0f} "
-                  f"{ph['ack']:9.0f} {ph['send']:7.0f} | {'':>9} {ph['receiver_handle']:7.0f} "
-                  f"{ph['receiver_scatter']:8.0f}")
-        print("send: the whole staging call (gather + write + notify + ack wait + Python); "
-              "ack wait includes the receiver's handling; side channel round trip alone: "
-              f"{run.get('channel_round_trip_us', float('nan')):.0f} us")
     for path in ("peer", "pages", "held"):
         if not any(f"{path}_us" in r for r in run["rows"]):
             continue
@@ -973,8 +798,8 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
         entry = {"case": first["case"], "blocks": first["blocks"], "bytes": first["bytes"],
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
-                    "stock_us", "routed_us", "contiguous_us", "staged_us", "staged_x_contiguous",
-                    "staged_over_stock", "peer_us", "peer_x_contiguous", "peer_over_stock",
+                    "stock_us", "routed_us", "contiguous_us",
+                    "peer_us", "peer_x_contiguous", "peer_over_stock",
                     "pages_us", "pages_x_contiguous", "pages_over_stock",
                     "held_us", "held_x_contiguous", "held_over_stock"):
             if key not in first:
@@ -997,17 +822,9 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     common = ["--mode", args.mode, "--protocol", protocol, "--register", register,
               "--device-mib", str(args.device_mib), "--host-mib", str(args.host_mib),
               "--channel", args.channel, "--pattern", args.pattern]
-    if args.staging_min_blocks is not None:
-        common += ["--staging-min-blocks", str(args.staging_min_blocks)]
-    if args.no_staging:
-        common.append("--no-staging")
     if args.staging_copy:
         common += ["--staging-copy", args.staging_copy]
     common += ["--peer-launcher", args.peer_launcher]
-    if args.staging_probe:
-        common.append("--staging-probe")
-    if args.staging_null_scatter:
-        common.append("--staging-null-scatter")
     if args.no_peer:
         common.append("--no-peer")
     if args.peer_min_blocks is not None:
@@ -1059,14 +876,8 @@ def main() -> None:
     p.add_argument("--case", dest="cases", action="append", default=None,
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
-    p.add_argument("--no-staging", action="store_true", help="dsv41: leave the KV staging path out")
-    p.add_argument("--staging-null-scatter", action="store_true",
-                   help="dsv41: the receiver acknowledges staged batches without scattering them "
-                   "(no GPU work on the receiver; the staged path is then not byte-exact and not checked)")
-    p.add_argument("--staging-probe", action="store_true",
-                   help="dsv41: after the cases, time each piece of the staged path alone")
     p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
-                   help="dsv41, GPU: the batched copy's backend of the staged and peer paths "
+                   help="dsv41, GPU: the batched copy's backend of the peer paths "
                    "(default: triton when importable)")
     p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")
     p.add_argument("--peer-launcher", choices=["auto", "uploaded"], default="auto",
@@ -1074,9 +885,6 @@ def main() -> None:
     p.add_argument("--peer-min-blocks", type=int, default=None,
                    help="dsv41: fewest device blocks a batch needs for a peer write (default: "
                    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS's default under SGLANG_DSV41_KV_STAGING=peer)")
-    p.add_argument("--staging-min-blocks", type=int, default=None,
-                   help="dsv41: fewest blocks a batch needs to be staged (default: the default of "
-                   "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     # internal (child processes)
     p.add_argument("--role", choices=["receiver", "sender"])
@@ -1156,14 +964,10 @@ def main_dsv41(args) -> None:
         sys.exit("error: --repeat, --rounds and --iters must be at least 1")
     args.channel = args.channel or Channel.available()
     args.iters = args.iters or (20 if gpu else 3)
-    if args.staging_min_blocks is None:
-        from sglang_dsv41.mooncake_nvlink.kv_staging.slots import DEFAULT_MIN_BLOCKS
-
-        args.staging_min_blocks = DEFAULT_MIN_BLOCKS
     if args.peer_min_blocks is None:
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import DEFAULT_PEER_MIN_BLOCKS
+        from sglang_dsv41.mooncake_nvlink.kv_staging.setting import DEFAULT_MIN_BLOCKS
 
-        args.peer_min_blocks = DEFAULT_PEER_MIN_BLOCKS
+        args.peer_min_blocks = DEFAULT_MIN_BLOCKS
     if args.peer_min_blocks < 1:
         sys.exit("error: --peer-min-blocks must be at least 1")
     args.device_mib = args.device_mib or 1
@@ -1188,12 +992,6 @@ def main_dsv41(args) -> None:
             ros, sxc = e["routed_over_stock"], e["stock_x_contiguous"]
             print(f"{e['case']:>16} {ros['median']:10.3f} [{ros['min']:.3f} - {ros['max']:.3f}] "
                   f"{sxc['median']:9.1f}x [{sxc['min']:.1f} - {sxc['max']:.1f}] {str(e['byte_exact']):>6}")
-        if "staged_x_contiguous" in summary[0]:
-            print(f"\n{'request':>16} {'staged x contiguous':>26} {'stock / staged':>24}")
-            for e in summary:
-                a, b = e["staged_x_contiguous"], e["staged_over_stock"]
-                print(f"{e['case']:>16} {a['median']:10.1f}x [{a['min']:.1f} - {a['max']:.1f}] "
-                      f"{b['median']:10.2f} [{b['min']:.2f} - {b['max']:.2f}]")
         for path in ("peer", "pages", "held"):
             if f"{path}_x_contiguous" not in summary[0]:
                 continue

@@ -193,14 +193,14 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
 def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
     out = tmp_path / "dsv41.json"
     # Above the threshold of every batch: the peer path sends everything the direct way.
-    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone",
                       "--peer-min-blocks", "44", "--rounds", "1", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text())["runs"][0]["rows"][0]
     assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 3}
     assert row["pages_batches"] == {"few_blocks": 3}
     assert row["held_batches"] == {"peer_pages": 3, "held_writes": 1}  # no threshold: one write anyway
-    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone", "--no-staging",
+    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone",
                       "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

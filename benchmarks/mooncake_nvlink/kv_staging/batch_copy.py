@@ -2,8 +2,9 @@
 
 For each request pattern (8k / 32k tokens; contiguous, runs of 8, fragmented
 pages; the sliding-window and request state alone), the request's blocks are
-gathered from KV pools into one staging buffer, as KV staging's prefill side
-does (its decode side scatters: the same operation the other way round).
+gathered from KV pools into one packed buffer on the same GPU: the batched
+copy a peer write makes, with a local destination instead of the decode's
+mapped KV.
 Three paths, taking turns round by round on the same buffers:
 - batched:     ``CudaBatchCopy.copy`` (the chosen backend: one Triton launch);
 - per-entry:   ``CudaBatchCopy(prefer="memcpy-async")``: one cudaMemcpyAsync
@@ -36,13 +37,13 @@ from dsv41_kv_pattern import DSV41_CASES, dsv41_batches, dsv41_buffer_sizes  # n
 MiB = 1 << 20
 
 
-def request_batch(tokens: int, layout: str, pools, staging_ptr: int):
-    """(srcs, dsts, lengths) gathering one request's blocks into staging, in the engine's order."""
+def request_batch(tokens: int, layout: str, pools, packed_ptr: int):
+    """(srcs, dsts, lengths) gathering one request's blocks into one buffer, in the engine's order."""
     spans = [span for batch in dsv41_batches(tokens, layout) for span in batch]
     buf, src_off, _, lengths = (np.array(col, dtype=np.uint64) for col in zip(*spans))
     bases = np.array([t.data_ptr() for t in pools], dtype=np.uint64)
     srcs = bases[buf.astype(np.intp)] + src_off
-    dsts = np.uint64(staging_ptr) + np.cumsum(lengths) - lengths
+    dsts = np.uint64(packed_ptr) + np.cumsum(lengths) - lengths
     return srcs, dsts, lengths
 
 
@@ -100,7 +101,7 @@ def main() -> None:
     pools = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen)
              for n in dsv41_buffer_sizes()]
     largest = dsv41_buffer_sizes()[-1]
-    staging = batched.allocate(largest)
+    packed = batched.allocate(largest)
     flat = batched.allocate(largest)
     torch.cuda.synchronize()
 
@@ -109,12 +110,12 @@ def main() -> None:
           + (f" (fallback: {batched.fallback_reason})" if batched.fallback_reason else ""), flush=True)
     results = []
     for name, tokens, layout in DSV41_CASES:
-        batch = request_batch(tokens, layout, pools, staging.ptr)
+        batch = request_batch(tokens, layout, pools, packed.ptr)
         total = int(batch[2].sum())
-        one = (np.array([flat.ptr], np.uint64), np.array([staging.ptr], np.uint64), np.array([total], np.uint64))
+        one = (np.array([flat.ptr], np.uint64), np.array([packed.ptr], np.uint64), np.array([total], np.uint64))
         paths = {"batched": (batched, batch), "per-entry": (per_entry, batch), "contiguous": (per_entry, one)}
-        # Byte-exact before timing: the staging buffer holds the blocks in order.
-        staging.keepalive[0].zero_()
+        # Byte-exact before timing: the packed buffer holds the blocks in order.
+        packed.keepalive[0].zero_()
         torch.cuda.synchronize()
         batched.copy(*batch)
         offsets = np.cumsum(batch[2]) - batch[2]
@@ -122,7 +123,7 @@ def main() -> None:
             src_buf = next(t for t in pools if t.data_ptr() <= int(batch[0][k]) < t.data_ptr() + t.numel())
             a = int(batch[0][k]) - src_buf.data_ptr()
             n = int(batch[2][k])
-            assert torch.equal(staging.keepalive[0][int(offsets[k]):int(offsets[k]) + n], src_buf[a:a + n]), (name, k)
+            assert torch.equal(packed.keepalive[0][int(offsets[k]):int(offsets[k]) + n], src_buf[a:a + n]), (name, k)
         for copier, b in paths.values():  # warm-up (compile, lanes, tables)
             for _ in range(3):
                 copier.copy(*b)
@@ -151,7 +152,7 @@ def main() -> None:
               f"per-entry/batched {row['per-entry_us'] / row['batched_us']:5.1f}x", flush=True)
     breakdown = None
     if batched.backend == "triton" and batched._fast_launch and batched._runtime is not None:
-        batch = request_batch(32768, "fragmented", pools, staging.ptr)
+        batch = request_batch(32768, "fragmented", pools, packed.ptr)
         breakdown = submit_breakdown(batched, batch)
         print("32k fragmented, CPU per step (median us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()), flush=True)

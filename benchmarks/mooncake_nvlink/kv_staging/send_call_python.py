@@ -45,11 +45,11 @@ SRC0, DST0 = 0x100_0000_0000, 0x300_0000_0000
 def _build(page_path: bool):
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
-    from sglang_dsv41.mooncake_nvlink.kv_staging.slots import MODE_PEER, StagingConfig
+    from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import SessionMappings
+    from sglang_dsv41.mooncake_nvlink.kv_staging.setting import StagingConfig
     from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryKind, TransferRouter
     from sglang_dsv41.mooncake_nvlink.state import RoutingState, set_routing_state
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (DEFAULT_PEER_MIN_BLOCKS, HANDLE_BYTES, PeerMap, PeerRegion,
-                                             PeerTarget, host_identity)
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import HANDLE_BYTES, PeerMap, PeerRegion, PeerTarget, host_identity
     from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
     from sglang_dsv41.mooncake_nvlink import hooks as mooncake_nvlink
 
@@ -91,8 +91,9 @@ def _build(page_path: bool):
         kinds = KindTable([(p, BUFFER, MemoryKind.DEVICE) for p in src], lambda ptr: MemoryKind.HOST)
         set_routing_state(mgr, RoutingState(
             "benchmark", None, TransferRouter(kinds, None), kinds))
+        transport = NoCopy()
         mgr.__dict__["_dsv41_kv_staging"] = kv_staging.StagingState(
-            StagingConfig(mode=MODE_PEER, min_blocks=DEFAULT_PEER_MIN_BLOCKS), None, transport=NoCopy())
+            StagingConfig(), transport, mappings=SessionMappings(transport))
         peer = PeerMap("host-cma", host_identity(),
                        tuple(PeerRegion(p, BUFFER, 0, b"h" * HANDLE_BYTES) for p in dst))
         mgr.decode_kv_args_table = {SESSION: SimpleNamespace(**{kv_staging.PEER_MAP_ATTR: peer})}
