@@ -199,6 +199,11 @@ CASES: dict[str, Case] = {
     "GPU count beyond the node": Case({"c.yml": "services:\n" + SERVER + "    deploy: {resources: {reservations: "
                                        "{devices: [{driver: nvidia, count: 12, capabilities: [gpu]}]}}}\n"},
                                       ["c.yml"], 1, "c.yml/server: reserves 12 GPUs, but a node has 8"),
+    "one file, two hosts": Case({"c.yml": _yaml("""\
+        services:
+          a: {image: img, command: [sglang, serve], labels: {sglang-dsv41.host: node-a}}
+          b: {image: img, command: [sglang, serve], labels: [sglang-dsv41.host=node-b]}
+        """)}, ["c.yml"], 1, "c.yml: its services are labelled for hosts node-a, node-b, but one `docker compose up`"),
     "no server at all": Case({"c.yml": "services:\n  m: {image: x, command: [mooncake_master]}\n"}, ["c.yml"], 1,
                              "plan: no `sglang serve` service found in c.yml"),
 }
