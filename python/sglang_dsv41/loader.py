@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import StagingConfigError, staging_config
 from sglang_dsv41.plugin import drift
 from sglang_dsv41.plugin import fingerprint as fp
 from sglang_dsv41.plugin.pin import ALLOW_DRIFT_ENV
@@ -172,6 +173,12 @@ def activate() -> None:
     if _activated:
         return
     configure_own_logger()
+    try:  # the KV transfer manager would refuse it too, minutes later: stop before the model loads
+        staging_config()
+    except StagingConfigError as exc:
+        text = f"[sglang-dsv41] refusing to start: kv_staging patches (MC-KVS-*): {exc}"
+        logger.critical(text)
+        raise SystemExit(text) from None
     # A target module that fails to import (a hardware library missing, say)
     # stops the process naming the real error; sglang's own hook application
     # imports these modules right after us anyway.

@@ -93,26 +93,23 @@ SERIES: Tuple[Series, ...] = (
            "Host-block transfers not delivered (send) or messages dropped by the receiver "
            "(receive).", "send, receive"),
     Series("kv_staging_batches", "counter", "path",
-           "Prefill: device transfer batches by path with KV staging on: staged (one engine "
-           "write through the decode peer's slot), peer (one batch of sglang's blocks as one peer "
-           "write straight into the decode's KV, peer mode), peer_pages (a whole KV or state send "
-           "written from its page lists, no block list, peer mode), failed (refused, not "
-           "acknowledged or a failed peer write: the request's transfer failed), or the direct "
-           "path, labelled with why neither was used.",
-           "staged, peer, peer_pages, failed, no_grant, few_blocks, block_larger_than_slot, busy, "
-           "slot_retired, no_side_channel, no_peer_map, peer_map_unusable, outside_peer_map"),
+           "Prefill, peer writes on: device transfer batches by path: peer (one batch of "
+           "sglang's blocks as one peer write straight into the decode's KV), peer_pages (a "
+           "whole KV or state send written from its page lists, no block list), failed (a "
+           "failed peer write: that request's transfer failed), or the direct path, labelled "
+           "with why no peer write was used.",
+           "peer, peer_pages, failed, few_blocks, no_peer_map, peer_map_unusable, outside_peer_map"),
     Series("kv_staging_held_writes", "counter", "outcome",
            "Prefill, peer mode: a request's last sends (final KV chunk, state) held and written "
            "as one peer write before its status: written, failed (the request's transfer "
            "failed), or dropped (never written: the request failed first, or the worker took "
            "its next chunk without concluding it).", "written, failed, dropped"),
-    Series("kv_staging_scatters", "counter", "outcome",
-           "Decode: staged-blocks messages scattered from a slot into the KV pools, or refused "
-           "(the prefill's transfer then fails).", "done, refused"),
-    Series("kv_staging_grants", "counter", "outcome",
-           "Decode: staging slots leased to prefill peers at registration, refused because "
-           "every slot is leased (that peer then uses the direct path), or, in peer mode, "
-           "peer maps sent.", "granted, pool_full, peer_map"),
+    Series("kv_staging_peer_maps", "counter", "event",
+           "Peer writes on: peer maps sent (decode, sent), and on the prefill the mappings of a "
+           "decode session released, by reason: registered_again (same session), "
+           "endpoint_reused (a restarted decode, new session id), session_failed (sglang counts "
+           "the session failed), limit (too many sessions mapped), teardown.",
+           "sent, registered_again, endpoint_reused, session_failed, limit, teardown"),
     Series("nvlink_cross_host_peers", "counter", None,
            "Prefill, Mooncake's intra-node NVLink transport configured: decode sessions found on "
            "another host (counted once per session); their transfers skip the host-block routing "
@@ -231,7 +228,7 @@ _KV_STAGING_SERIES = frozenset(s.name for s in SERIES if s.name.startswith("kv_s
 
 
 def count_kv_staging(series: str, label: str) -> None:
-    """One KV staging event: ``series`` is kv_staging_batches, _held_writes, _scatters or _grants.
+    """One KV peer-write event: ``series`` is kv_staging_batches, _held_writes or _peer_maps.
 
     A hot path (every send of a request in peer mode): counted in this thread's
     tally; a failure is exported soon.

@@ -93,9 +93,7 @@ ROOMS = {
     "B": (CFG["room"] + 1, [1, 14], [5, 6], 6, 1, 2, 0, True),
 }
 BOOTSTRAP = f"127.0.0.1:{CFG['bootstrap_port']}"
-# KV staging runs: {"env": {...}, "fail_scatter_at": n (decode copy call), "prelease": k
-# (slots leased to made-up peers before registration, to exhaust the pool),
-# "fail_peer_write_at": n (prefill peer write), "foreign_host": true (the decode
+# KV peer-write runs: {"env": {...}, "fail_peer_write_at": n (prefill peer write), "foreign_host": true (the decode
 # exports its peer map under another host's identity), "host_kv_entry": i (KV
 # buffer i is host memory on both sides)}
 STAGING = CFG.get("staging")
@@ -219,30 +217,32 @@ class Side:
             "host_regions": [list(r) for r in self.host_regions],
         }
 
-    # --- KV staging (opt-in): settings, the copier stand-in, a pre-leased pool
+    # --- KV peer writes (opt-in): settings, the copier and transport stand-ins
 
     def setup_staging(self):
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import HostBatchCopy
+        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, HostBatchCopy
         from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 
         os.environ.update({k: str(v) for k, v in STAGING.get("env", {}).items()})
-        fail_at = STAGING.get("fail_scatter_at") if not self.prefill else None
 
         class CountingCopy(HostBatchCopy):
-            """Host memory copies (no GPU here); counts calls, fails the n-th if asked."""
+            """Host memory copies (no GPU here), counted."""
 
             calls = 0
 
             def copy(self, srcs, dsts, lengths):
                 type(self).calls += 1
-                if fail_at is not None and type(self).calls == fail_at:
-                    raise RuntimeError(f"injected copy failure at call {fail_at}")
                 return super().copy(srcs, dsts, lengths)
 
-        self.copier = CountingCopy()
+        class NoCopierOnDecode:
+            """A decode in peer mode only exports: asking it for a copier is a failure."""
+
+            def __getattr__(self, name):
+                raise BatchCopyError("the decode side asked for a copier")
+
+        self.copier = CountingCopy() if self.prefill else NoCopierOnDecode()
         kv_staging.set_batch_copy(self.copier)
-        if STAGING.get("env", {}).get("SGLANG_DSV41_KV_STAGING") == "peer":
-            kv_staging.set_peer_transport(self.peer_transport())
+        kv_staging.set_peer_transport(self.peer_transport())
 
     def peer_transport(self):
         """Cross-process host writes (process_vm_writev): peer writes without a GPU."""
@@ -376,49 +376,6 @@ class Side:
         sock.close()
         return len(bad)
 
-    def inject_bad_staged(self) -> dict:
-        """Bad staged-blocks messages straight into decode's socket; collect the acknowledgements."""
-        import numpy as np
-
-        from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
-            Grant, encode_staged, parse_ack, STAGED_TAG,
-        )
-
-        pool = self.staging_state().pool
-        grant = pool.lease("203.0.113.9:1")  # a made-up peer's real lease
-        inbox = zmq.Context.instance().socket(zmq.PULL)
-        port = inbox.bind_to_random_port("tcp://127.0.0.1")
-        reply = f"tcp://127.0.0.1:{port}"
-        kv0 = self.kv[0][1]
-        one = (np.array([kv0], dtype=np.uint64), np.array([16], dtype=np.uint64))
-        wrong_lease = Grant(grant.slot_ptr, grant.slot_bytes, grant.lease ^ 2)
-        bad = {
-            11: encode_staged(1, wrong_lease, 11, *one, reply),  # not the slot's lease
-            12: encode_staged(1, grant, 12, np.array([kv0 - 4096], dtype=np.uint64),
-                              np.array([16], dtype=np.uint64), reply),  # outside every region
-            13: encode_staged(1, grant, 13, np.array([kv0, 12345], dtype=np.uint64),
-                              np.array([8, 8], dtype=np.uint64), reply),  # one bad entry of two
-            14: encode_staged(1, grant, 14, np.array([kv0], dtype=np.uint64),
-                              np.array([grant.slot_bytes + 1], dtype=np.uint64), reply),  # > slot
-        }
-        frames = list(bad.values())
-        truncated = list(encode_staged(1, grant, 15, *one, reply))
-        truncated[4] = truncated[4][:-1]
-        frames.append(truncated)  # no nonce can be trusted: dropped without an answer
-        frames.append([AUX_DATA_HEADER, b"1", STAGED_TAG])
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(f"tcp://{self.mgr.local_ip}:{self.mgr.rank_port}")
-        for f in frames:
-            sock.send_multipart(f)
-        sock.close()
-        answers = {}
-        while len(answers) < len(bad) and inbox.poll(20000):
-            nonce, refusal = parse_ack(inbox.recv_multipart())
-            answers[nonce] = refusal
-        inbox.close()
-        return {str(k): v for k, v in answers.items()}
-
     def run_decode(self):
         if PLUGIN != "none":
             sent = self.inject_bad_frames()
@@ -426,12 +383,6 @@ class Side:
                      30, "bad frames were not all seen")
             self.result["bad_frames_dropped"] = self.receiver_state().messages_dropped
             self.result["untouched_after_bad_frames"] = all(
-                v == bytes(len(v)) for v in self.buffers().values()
-            )
-
-        if STAGING is not None and STAGING.get("bad_frames"):
-            self.result["bad_staged_answers"] = self.inject_bad_staged()
-            self.result["untouched_after_bad_staged"] = all(
                 v == bytes(len(v)) for v in self.buffers().values()
             )
 
@@ -446,11 +397,6 @@ class Side:
             return apply_status(**kw)
 
         self.mgr.apply_prefill_status = apply_and_snapshot
-        if STAGING is not None and STAGING.get("prelease"):
-            pool = self.staging_state().pool
-            self.result["preleased"] = [
-                pool.lease(f"198.51.100.{i}:1") is not None for i in range(STAGING["prelease"])
-            ]
         wait_for(lambda: self.mgr.try_ensure_parallel_info(BOOTSTRAP), 90, "no prefill info")
         expected_all: dict[str, list] = {}
         for name, spec in ROOMS.items():
@@ -487,10 +433,6 @@ class Side:
         self.result["host_messages_written"] = rs.messages_written if rs else 0
         if STAGING is not None:
             state = self.staging_state()
-            receiver = state.receiver if state else None
-            self.result["scattered"] = receiver.scattered if receiver else 0
-            self.result["scatter_refused"] = receiver.refused if receiver else 0
-            self.result["copies"] = type(self.copier).calls
             if state is not None and state.exported is not None:
                 self.result["exported"] = [[r.ptr, r.length] for r in state.exported.regions]
         self.result["decode_thread_alive"] = self.mgr._worker_threads[0].is_alive()

@@ -242,9 +242,32 @@ def test_receiver_reports_a_failing_write_and_keeps_going():
     a, pa = _buffer(8)
     rx = HostBlockReceiver(RegionTable([(pa, 8)]), Failing())
     verdict = rx.handle(encode_host_blocks(1, [(pa, b"x")]))
-    assert not verdict.written and "write failed after 0 of 1" in verdict.reason
+    assert not verdict.written and "write failed at block 0 of 1" in verdict.reason
     rx.memory = HostMemory()
     assert rx.handle(encode_host_blocks(1, [(pa, b"y")])).written and a.raw[:1] == b"y"
+
+
+def test_a_write_failing_midway_puts_back_what_the_earlier_blocks_wrote():
+    class FailsThirdWrite(HostMemory):
+        """The third block's write lands half of itself, then fails (a device copy error)."""
+
+        writes = 0
+
+        def write(self, dst, payload, offset, length):
+            type(self).writes += 1
+            if type(self).writes == 3:
+                super().write(dst, payload, offset, length // 2)
+                raise MemoryAccessError("cudaMemcpy failed")
+            return super().write(dst, payload, offset, length)
+
+    a, pa = _buffer(64)
+    ctypes.memmove(pa, b"K" * 64, 64)  # what the decode held before
+    rx = HostBlockReceiver(RegionTable([(pa, 64)]), FailsThirdWrite())
+    verdict = rx.handle(encode_host_blocks(4, [(pa, b"aaaa"), (pa + 8, b"bbbb"), (pa + 16, b"cccc"),
+                                               (pa + 24, b"dddd")]))
+    assert not verdict.written and verdict.blocks == 0
+    assert "write failed at block 2 of 4" in verdict.reason and "restored" in verdict.reason
+    assert a.raw == b"K" * 64  # nothing of the message remains
 
 
 def test_receiver_handles_frames_that_are_not_bytes():

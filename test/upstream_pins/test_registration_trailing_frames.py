@@ -1,11 +1,11 @@
-"""Pin: a prefill without the plugin ignores the KV staging grant a decode appends.
+"""Pin: a prefill without the plugin ignores the KV peer map a decode appends.
 
-KV staging's decode side appends two frames (a tag and the slot grant) to the
-registration message it sends each prefill rank. sglang 0.5.23's
+With peer writes on, the decode side appends two frames (a tag and its peer
+map) to the registration message it sends each prefill rank. sglang 0.5.23's
 ``KVArgsRegisterInfo.from_zmq`` reads its frames by position and never past
 the kv_item_lens frame, so a stock prefill parses the message exactly as
-without the grant and sends every block directly. If upstream starts reading
-further frames, this fails and the grant must move.
+without the map and sends every block directly. If upstream starts reading
+further frames, this fails and the map must move.
 
 Real: the registration message built by sglang's own
 ``MooncakeKVManager.build_receiver_registration_message`` (on a bare
@@ -19,7 +19,9 @@ from types import SimpleNamespace
 
 from sglang.srt.disaggregation.mooncake.conn import KVArgsRegisterInfo, MooncakeKVManager
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import Grant, encode_grant, find_grant
+from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
+    HANDLE_BYTES, PeerMap, PeerRegion, encode_peer_map, find_peer_map, host_identity,
+)
 
 
 def _registration_message() -> list[bytes]:
@@ -36,17 +38,17 @@ def _registration_message() -> list[bytes]:
     return manager.build_receiver_registration_message()
 
 
-def test_stock_parser_ignores_an_appended_grant():
+def test_stock_parser_ignores_an_appended_peer_map():
     message = _registration_message()
-    grant = Grant(0x7F00_0000_0000, 32 << 20, 99)
+    peer = PeerMap("cuda-ipc", host_identity(), (PeerRegion(0x1000, 4096, 0, b"h" * HANDLE_BYTES),))
     plain = KVArgsRegisterInfo.from_zmq(message)
-    with_grant = KVArgsRegisterInfo.from_zmq(message + encode_grant(grant))
-    assert dataclasses.asdict(with_grant) == dataclasses.asdict(plain)
+    with_map = KVArgsRegisterInfo.from_zmq(message + encode_peer_map(peer))
+    assert dataclasses.asdict(with_map) == dataclasses.asdict(plain)
     assert plain.dst_kv_ptrs == [0x1000, 0x2000] and plain.dst_kv_item_lens == [512, 512]
-    assert find_grant(message + encode_grant(grant)) == grant
+    assert find_peer_map(message + encode_peer_map(peer)) == peer
 
 
-def test_the_grant_sits_past_every_frame_the_parser_reads():
-    # The parser's last positional frame is index 19 (kv_item_lens); the grant
+def test_the_peer_map_sits_past_every_frame_the_parser_reads():
+    # The parser's last positional frame is index 19 (kv_item_lens); the map
     # starts where sglang's own message ends.
     assert len(_registration_message()) == 20

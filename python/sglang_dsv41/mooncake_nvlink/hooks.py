@@ -9,7 +9,6 @@ import logging
 from typing import Optional
 
 from sglang_dsv41 import metrics
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import is_staged_message
 from sglang_dsv41.mooncake_nvlink.kv_staging import held
 from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 from sglang_dsv41.mooncake_nvlink.memory import HostMemory, cuda_memory_access
@@ -77,10 +76,7 @@ def after_registerable_regions(result, self):
             f"device and host memory cannot be told apart: {exc}. Registering a host "
             "region would fail the whole registration."
         ) from exc
-    staging = kv_staging.staging_region(self, plan.register)
-    if staging is not None and staging not in plan.register:
-        # Allocated by the staging copier on this manager's device: engine memory.
-        plan.register.append(staging)
+    kv_staging.set_up(self, plan.register)
     kinds = KindTable(plan.classified, memory.kind_of)
     set_routing_state(self, RoutingState(reason, memory, TransferRouter(kinds, memory), kinds))
     (logger.info if state is None else logger.debug)(
@@ -158,10 +154,7 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
         return original(self, mooncake_session_id, blocks)
 
     def send_device(device_blocks):
-        return kv_staging.send_device_batch(
-            self, mooncake_session_id, device_blocks, write,
-            lambda: _side_channel(self, mooncake_session_id),
-        )
+        return kv_staging.send_device_batch(self, mooncake_session_id, device_blocks, write)
 
     rc = state.router.route(transfer_blocks, send_device, open_side_channel)
     if rc != 0 and opened:  # after the device blocks went through: host blocks not delivered
@@ -190,13 +183,7 @@ def _receiver_for(manager) -> HostBlockReceiver:
 
 
 def around_handle_aux_data(original, self, msg):
-    """AROUND MooncakeKVManager._handle_aux_data: take host-block and staged frames, pass the rest on."""
-    if is_staged_message(msg):
-        try:
-            kv_staging.handle_staged(self, msg, lambda: _published_regions(self).regions)
-        except Exception:  # the decode thread must keep serving
-            logger.exception("[sglang-dsv41] staged-blocks message dropped")
-        return None
+    """AROUND MooncakeKVManager._handle_aux_data: take host-block frames, pass the rest on."""
     if not is_host_block_message(msg):
         return original(self, msg)
     try:

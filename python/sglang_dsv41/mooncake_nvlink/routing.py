@@ -502,8 +502,10 @@ class ReceiveVerdict:
 class HostBlockReceiver:
     """Writes host-block messages into published regions, all blocks or none.
 
-    ``handle`` never raises ``Exception``: the decode thread that calls it must
-    keep serving whatever arrives.
+    Every destination is checked before the first write; a write that still
+    fails puts back what the earlier blocks overwrote (read beforehand: host
+    blocks are aux and small state rows). ``handle`` never raises
+    ``Exception``: the decode thread that calls it must keep serving.
     """
 
     def __init__(self, regions: RegionTable, memory: MemoryAccess, log: logging.Logger = logger):
@@ -517,6 +519,15 @@ class HostBlockReceiver:
         self.messages_dropped += 1
         self.log.error("dropped a host-block message (room %s): %s; nothing written", room, reason)
         return ReceiveVerdict(False, room, 0, 0, reason)
+
+    def _restore(self, entries, before: list[bytes]) -> str:
+        """Put back what ``entries`` overwrote; says whether that worked."""
+        try:
+            for entry, old in zip(entries, before):
+                self.memory.write(entry.dst, old, 0, entry.length)
+        except Exception as exc:
+            return f"restoring the earlier blocks failed too ({type(exc).__name__}: {exc})"
+        return "the earlier blocks were restored, nothing of the message remains"
 
     def handle(self, frames: Sequence[bytes]) -> ReceiveVerdict:
         try:
@@ -532,6 +543,10 @@ class HostBlockReceiver:
                     f"block {i} [{entry.dst:#x}, {entry.dst + entry.length:#x}) is not inside "
                     f"any of the {len(self.regions)} published regions",
                 )
+        try:  # what the blocks overwrite, to put back if one of them fails
+            before = [self.memory.read(entry.dst, entry.length) for entry in message.entries]
+        except Exception as exc:
+            return self._drop(message.room, f"destination not readable: {type(exc).__name__}: {exc}")
         done = 0
         try:
             for entry in message.entries:
@@ -539,12 +554,10 @@ class HostBlockReceiver:
                 done += 1
         except Exception as exc:
             self.messages_dropped += 1
-            reason = (
-                f"write failed after {done} of {len(message.entries)} blocks: "
-                f"{type(exc).__name__}: {exc}"
-            )
+            reason = (f"write failed at block {done} of {len(message.entries)}: "
+                      f"{type(exc).__name__}: {exc}; {self._restore(message.entries[:done + 1], before)}")
             self.log.error("host-block message (room %s): %s", message.room, reason)
-            return ReceiveVerdict(False, message.room, done, 0, reason)
+            return ReceiveVerdict(False, message.room, 0, 0, reason)
         self.messages_written += 1
         self.log.debug(
             "wrote host-block message (room %s): %d blocks, %d bytes",

@@ -13,15 +13,11 @@ from dataclasses import dataclass
 
 from sglang_dsv41.plugin.pin import ALLOW_DRIFT_ENV
 from sglang_dsv41.cp_bcg.setting import ACCEPTANCE_TOLERANCE, CP_BCG_ENV, DSPARK_VERIFIED_ENV, MEASURING
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
-    ACK_TIMEOUT_ENV,
-    DEFAULT_ACK_TIMEOUT_S,
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import (
     DEFAULT_MIN_BLOCKS,
-    DEFAULT_SLOT_MB,
-    DEFAULT_SLOTS,
+    MAX_MIN_BLOCKS,
     MIN_BLOCKS_ENV,
-    SLOT_MB_ENV,
-    SLOTS_ENV,
+    REMOVED_SETTINGS,
     STAGING_ENV,
 )
 from sglang_dsv41.mooncake_nvlink.routing import NVLINK_INTRA_ENV_FLAGS, PROTOCOL_ENV
@@ -59,12 +55,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         names=(STAGING_ENV,),
         default="0",
-        meaning="Set on both the prefill and the decode servers, with Mooncake's intra-node NVLink transport, to move a transfer batch of many blocks (a DeepSeek-V4.1 request is hundreds) without the engine's per-block cost. `peer`: peer writes. The decode side exports its engine-registered KV and state memory as CUDA IPC handles in its registration; the prefill maps them once and writes each KV or state send from its page lists (other batches of sglang's blocks likewise) with one batched copy straight into the decode's pages; a request's last chunk (its KV and state sends) is held and written as one copy. Every write is synchronized before the status that completes the request is sent. No extra memory, no GPU work on the decode side. A map that cannot be opened (another host or IPC namespace) or a destination outside it sends the batch the direct way, counted; a held send with pages outside its buffers fails the request instead (nothing of its write lands). `1`: slot staging. The batch is gathered on the prefill GPU into one registered buffer, written with one engine write into a slot the decode side leased to that prefill peer, and scattered on the decode GPU before the decode side acknowledges; costs slots x slot size of GPU memory on each side. In both modes a failed copy, refusal or missing acknowledgement fails that request's transfer, as an engine error would, and every batch that goes the direct way is counted in `sglang_dsv41_kv_staging_batches_total` with its reason. Without the intra-node NVLink transport it has no effect (one warning). Any value but unset/`0`/`1`/`peer`, or a side that cannot set itself up (no Triton, memory that cannot be exported), stops the server when its transfer manager starts. **Experimental**: measured only with prefill and decode sharing one H200 (BENCHMARKS.md, KV staging)",
+        meaning="`peer`, on both the prefill and the decode servers, with Mooncake's intra-node NVLink transport: KV peer writes. A DeepSeek-V4.1 request's KV is hundreds of small blocks, each costing the engine a fixed time; instead the decode exports its engine-registered KV and state memory as CUDA IPC handles in its registration, and the prefill writes each KV or state send with one batched copy straight into the decode's pages (a request's last chunk, KV and state, as one copy), synchronized before the status that completes the request. No extra memory, nothing built or run on the decode. A map that cannot be opened (another host or IPC namespace) or one the decode's word does not fit (regions outside what its handles map) sends that decode's batches the direct way, counted in `sglang_dsv41_kv_staging_batches_total`; a failed peer write fails that request only. Without the intra-node NVLink transport it has no effect (one warning). `1` (slot staging) was removed and stops the server with one line; any value but unset/`0`/`peer`, or a prefill that cannot set itself up (no Triton), stops the server when its transfer manager starts. Design: docs/design/kv_staging.md. **Experimental**: measured with prefill and decode sharing one H200 (BENCHMARKS.md)",
     ),
     Setting(
-        names=(SLOTS_ENV, SLOT_MB_ENV, MIN_BLOCKS_ENV, ACK_TIMEOUT_ENV),
-        default=f"{DEFAULT_SLOTS}, {DEFAULT_SLOT_MB}, {DEFAULT_MIN_BLOCKS}, {DEFAULT_ACK_TIMEOUT_S:g}",
-        meaning="KV staging's sizes: slots per side (decode: one per prefill peer rank; prefill: transfers in flight at once), MiB per slot (a batch larger than a slot goes in several staged writes), the fewest blocks a batch needs to be staged or peer-written (default 128 for `1`, 8 for `peer`), and the seconds the prefill waits for the decode's acknowledgement (after a timeout that slot is retired for the prefill process's lifetime)",
+        names=(MIN_BLOCKS_ENV,),
+        default=str(DEFAULT_MIN_BLOCKS),
+        meaning=f"the fewest blocks a batch needs to be peer-written (1..{MAX_MIN_BLOCKS}); smaller batches go the direct way",
+    ),
+    Setting(
+        names=REMOVED_SETTINGS,
+        default="unset",
+        meaning="slot staging's sizes; slot staging was removed, so any of them set stops the server with one line saying to unset it",
     ),
     Setting(
         names=(CP_BCG_ENV,),

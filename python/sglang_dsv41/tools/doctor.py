@@ -194,8 +194,8 @@ def setting_findings() -> list[Finding]:
 
 
 def _kv_staging_finding() -> Finding | None:
-    """KV staging as this environment sets it (nothing when it is off): its values, and Triton."""
-    from sglang_dsv41.mooncake_nvlink.kv_staging.slots import STAGING_ENV, StagingConfigError, staging_config
+    """KV peer writes as this environment sets them (nothing when off): their values, and Triton."""
+    from sglang_dsv41.mooncake_nvlink.kv_staging.setting import STAGING_ENV, StagingConfigError, staging_config
 
     try:
         config = staging_config()
@@ -205,26 +205,20 @@ def _kv_staging_finding() -> Finding | None:
         return None
     import importlib.util
 
-    from sglang_dsv41.mooncake_nvlink.kv_staging.slots import MODE_PEER
-
-    value = "peer" if config.mode == MODE_PEER else "1"
     if importlib.util.find_spec("triton") is None:
-        return Finding("kv-staging", "fail", f"{STAGING_ENV}={value} needs Triton for its batched copy, "
-                       "and triton is not installed: the PD server would stop at start")
-    if config.mode == MODE_PEER:
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy_native import NativeWriteError, build
+        return Finding("kv-staging", "fail", f"{STAGING_ENV}=peer needs Triton for its batched copy on the "
+                       "prefill, and triton is not installed: a prefill server would stop at start")
+    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy_native import NativeWriteError, build
 
-        try:
-            build()
-        except NativeWriteError as exc:  # the Python path works: slower, not wrong
-            return Finding("kv-staging", "warn", f"{STAGING_ENV}=peer: the native writer does not build here "
-                           f"({exc}); peer writes will fill and launch their tables from Python, slower")
-        return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
-                       "device blocks written straight into the decode's KV over CUDA IPC, from their "
-                       "page lists where sglang's send allows; a request's last chunk as one write "
-                       "(native writer builds)")
-    return Finding("kv-staging", "ok", f"{STAGING_ENV}=1: {config.slots} slots of "
-                   f"{config.slot_bytes >> 20} MiB per side, batches of {config.min_blocks}+ blocks staged")
+    try:
+        build()
+    except NativeWriteError as exc:  # the Python path works: slower, not wrong
+        return Finding("kv-staging", "warn", f"{STAGING_ENV}=peer: the native writer does not build here "
+                       f"({exc}); peer writes will fill and launch their tables from Python, slower")
+    return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
+                   "device blocks written straight into the decode's KV over CUDA IPC, from their "
+                   "page lists where sglang's send allows; a request's last chunk as one write "
+                   "(native writer builds)")
 
 
 def versions() -> dict:

@@ -23,7 +23,8 @@ import pytest
 from _paged import runs_of_paged
 from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager, StateType
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import StagingConfig, MODE_PEER
+from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import SessionMappings
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import StagingConfig
 from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryKind, TransferRouter
 from sglang_dsv41.mooncake_nvlink.state import RoutingState, set_routing_state
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import HANDLE_BYTES, PeerMap, PeerRegion, PeerTarget, host_identity
@@ -94,7 +95,7 @@ def _manager(entries: int, dst_entries: int, *, mla=True, start_layer=0, end_lay
     transport = _IdentityTransport()
     if page_path:
         mgr.__dict__["_dsv41_kv_staging"] = kv_staging.StagingState(
-            StagingConfig(mode=MODE_PEER, min_blocks=min_blocks), None, transport=transport)
+            StagingConfig(min_blocks=min_blocks), transport, mappings=SessionMappings(transport))
     peer = PeerMap("host-cma", host_identity(),
                    tuple(PeerRegion(p, BUF, 0, b"h" * HANDLE_BYTES) for p in dst))
     mgr.decode_kv_args_table = {SESSION: SimpleNamespace(**{kv_staging.PEER_MAP_ATTR: peer})}
@@ -185,7 +186,7 @@ def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch)
     setattr(info, kv_staging.PEER_MAP_ATTR, PeerMap(old_map.kind, old_map.host, old_map.regions))
     assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
     assert len(learnt) == 3
-    new_target = kv_staging.state_of(mgr).targets[SESSION][1]
+    new_target, _ = kv_staging.state_of(mgr).mappings.target(SESSION, getattr(info, kv_staging.PEER_MAP_ATTR), None)
     checked = [c.checked for c in kv_staging.state_of(mgr).layouts.values() if c.checked[0] is new_target]
     assert len(checked) == 1 and checked[0][1].target is new_target
 

@@ -1,12 +1,15 @@
-"""KV staging's set-up in a transfer manager fails closed, naming the setting.
+"""KV peer writes' set-up in a transfer manager fails closed, naming the setting.
 
-``hooks.kv_staging.staging_region`` runs inside the manager's registration
-(MC-NVL-REGIONS). Asked for but impossible (a bad value, no CUDA, no Triton),
-it stops the manager with one message instead of silently sending directly.
+``kv_staging.hooks.set_up`` runs inside the manager's registration
+(MC-NVL-REGIONS). Asked for but impossible (a bad or removed value, no Triton on
+the prefill, memory the decode cannot export), it stops the manager with one
+message instead of silently sending directly; the loader refuses a bad value
+before the model loads.
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -27,33 +30,41 @@ def _no_injection():
     kv_staging.set_batch_copy(None)
 
 
-def test_off_means_nothing_is_allocated(monkeypatch):
+def test_off_means_nothing_is_set_up(monkeypatch):
     monkeypatch.delenv("SGLANG_DSV41_KV_STAGING", raising=False)
     manager = _manager("decode")
-    assert kv_staging.staging_region(manager) is None
+    assert kv_staging.set_up(manager) is None
     assert kv_staging.state_of(manager) is None
 
 
-def test_a_bad_value_stops_the_manager_naming_it(monkeypatch):
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOTS", "many")
-    with pytest.raises(RuntimeError, match="SGLANG_DSV41_KV_STAGING_SLOTS='many' is not an integer"):
-        kv_staging.staging_region(_manager("prefill"))
-
-
-def test_no_usable_gpu_copy_stops_the_manager_naming_the_setting(monkeypatch):
-    # This machine has no CUDA: the batched copy cannot be built.
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
-    with pytest.raises(RuntimeError) as exc:
-        kv_staging.staging_region(_manager("decode"))
-    assert "SGLANG_DSV41_KV_STAGING=1 but the decode side cannot set up its staging memory" in str(exc.value)
-
-
-@pytest.mark.parametrize("switch, refusal", [
-    ("1", "needs Triton.*triton does not import"),
-    ("peer", "=peer but the prefill side cannot set up peer writes.*Triton"),
+@pytest.mark.parametrize("env, refusal", [
+    ({"SGLANG_DSV41_KV_STAGING": "1"}, "SGLANG_DSV41_KV_STAGING=1 \\(slot staging\\) was removed.*set SGLANG_DSV41_KV_STAGING=peer"),
+    ({"SGLANG_DSV41_KV_STAGING": "yes"}, "'yes': use peer"),
+    ({"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "many"}, "'many' is not an integer"),
+    ({"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "0"}, "outside 1..1048576"),
+    ({"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_SLOTS": "8"}, "SLOTS belonged to slot staging"),
+    ({"SGLANG_DSV41_KV_STAGING_SLOT_MB": "32"}, "SLOT_MB belonged to slot staging.*unset it"),
 ])
-def test_a_copy_without_triton_is_refused(monkeypatch, switch, refusal):
+def test_a_bad_or_removed_value_stops_the_manager_naming_it(monkeypatch, env, refusal):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=refusal):
+        kv_staging.set_up(_manager("prefill"))
+
+
+def test_the_loader_refuses_slot_staging_before_anything_else_starts():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SGLANG_DSV41_KV_STAGING": "1"}
+    run = subprocess.run([sys.executable, "-c", "from sglang_dsv41.loader import activate; activate()"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "refusing to start: kv_staging patches (MC-KVS-*): SGLANG_DSV41_KV_STAGING=1 (slot staging) was removed" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_copy_without_triton_is_refused_on_the_prefill(monkeypatch):
     import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
 
     class PerEntry(HostBatchCopy):
@@ -61,25 +72,9 @@ def test_a_copy_without_triton_is_refused(monkeypatch, switch, refusal):
         fallback_reason = "triton does not import"
 
     monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", switch)
-    with pytest.raises(RuntimeError, match=refusal):
-        kv_staging.staging_region(_manager("prefill"))
-
-
-def test_sizes_follow_the_settings_and_the_region_is_allocated_once(monkeypatch):
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "1")
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOTS", "3")
-    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_SLOT_MB", "2")
-    kv_staging.set_batch_copy(HostBatchCopy())
-    for mode in ("prefill", "decode"):
-        manager = _manager(mode)
-        region = kv_staging.staging_region(manager)
-        assert region[1] == 3 * (2 << 20)
-        assert kv_staging.staging_region(manager) == region  # re-registration: the same memory
-        state = kv_staging.state_of(manager)
-        assert (state.pool is not None) == (mode == "decode")
-        assert (state.sender is not None) == (mode == "prefill")
-    assert kv_staging.staging_region(_manager("null")) is None  # not a PD manager
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
+        kv_staging.set_up(_manager("prefill"))
 
 
 # --- peer mode
@@ -100,29 +95,39 @@ def test_peer_mode_stops_a_decode_whose_memory_cannot_be_exported(monkeypatch):
     kv_staging.set_peer_transport(_FailingExport())
     try:
         with pytest.raises(RuntimeError) as exc:
-            kv_staging.staging_region(_manager("decode"), [(0x1000, 0x1000)])
+            kv_staging.set_up(_manager("decode"), [(0x1000, 0x1000)])
     finally:
         kv_staging.set_peer_transport(None)
     assert "SGLANG_DSV41_KV_STAGING=peer but the decode side cannot set up peer writes" in str(exc.value)
     assert "invalid argument" in str(exc.value)
 
 
-def test_peer_mode_exports_the_registered_regions_and_allocates_nothing(monkeypatch):
+def test_peer_mode_exports_the_registered_regions_and_the_decode_builds_no_copier(monkeypatch):
+    import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
     from sglang_dsv41.mooncake_nvlink.kv_staging.peer import HostCmaTransport
 
+    def no_copier(*args, **kwargs):
+        raise AssertionError("a copier was built")
+
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    monkeypatch.setattr(batch_copy, "batch_copy_for", no_copier)
+    kv_staging.set_peer_transport(HostCmaTransport())
+    try:
+        decode = _manager("decode")
+        kv_staging.set_up(decode, [(0x10000, 0x2000), (0x40000, 0x100)])
+    finally:
+        kv_staging.set_peer_transport(None)
+    state = kv_staging.state_of(decode)
+    assert [(r.ptr, r.length) for r in state.exported.regions] == [(0x10000, 0x2000), (0x40000, 0x100)]
+    assert state.mappings is None  # a decode maps nobody
     kv_staging.set_batch_copy(HostBatchCopy())
     kv_staging.set_peer_transport(HostCmaTransport())
     try:
-        decode, prefill = _manager("decode"), _manager("prefill")
-        assert kv_staging.staging_region(decode, [(0x10000, 0x2000), (0x40000, 0x100)]) is None
-        assert kv_staging.staging_region(prefill, [(0x90000, 0x100)]) is None
+        prefill = _manager("prefill")
+        kv_staging.set_up(prefill, [(0x90000, 0x100)])
     finally:
         kv_staging.set_peer_transport(None)
-    exported = kv_staging.state_of(decode).exported
-    assert [(r.ptr, r.length) for r in exported.regions] == [(0x10000, 0x2000), (0x40000, 0x100)]
-    assert kv_staging.state_of(decode).pool is None
-    assert kv_staging.state_of(prefill).exported is None and kv_staging.state_of(prefill).buffers is None
+    assert kv_staging.state_of(prefill).exported is None
     assert kv_staging.state_of(prefill).config.min_blocks == 8
 
 
@@ -161,7 +166,7 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
     kv_staging.set_peer_transport(transport)
     try:
         manager = _manager("prefill")
-        kv_staging.staging_region(manager)
+        kv_staging.set_up(manager)
     finally:
         kv_staging.set_peer_transport(None)
     info = SimpleNamespace()
@@ -174,7 +179,7 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
         return 0
 
     def send():
-        return kv_staging.send_device_batch(manager, "decode:1", blocks, write, None)
+        return kv_staging.send_device_batch(manager, "decode:1", blocks, write)
 
     info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"one")
     assert send() == 0 and send() == 0

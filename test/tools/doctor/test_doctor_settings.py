@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sglang_dsv41.cp_bcg.setting import CP_BCG_ENV
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import STAGING_ENV
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import STAGING_ENV
 from sglang_dsv41.owner_broadcast.routing import ENV_MIN_SAVING, ENV_MODE, ENV_PER_IMAGE_COST
 from sglang_dsv41.plugin.settings import SETTINGS
 from sglang_dsv41.tools.doctor import setting_findings
@@ -34,11 +34,12 @@ INVALID = {
     ENV_MODE: (["sometimes", "2", "auto,guarded", "off!"], {}, "model-build"),
     ENV_PER_IMAGE_COST: (["lots", "-1", "1.5", "nan", "inf", "1e3"], {}, "model-build"),
     ENV_MIN_SAVING: (["lots", "-5", "0x10", "nan"], {}, "model-build"),
-    STAGING_ENV: (["peers", "2", "yes"], {}, "kv-staging"),
-    "SGLANG_DSV41_KV_STAGING_SLOTS": (["big", "-1", "nan"], {STAGING_ENV: "peer"}, "kv-staging"),
-    "SGLANG_DSV41_KV_STAGING_SLOT_MB": (["big", "-1", "nan"], {STAGING_ENV: "peer"}, "kv-staging"),
-    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": (["big", "-1", "nan"], {STAGING_ENV: "peer"}, "kv-staging"),
-    "SGLANG_DSV41_KV_STAGING_ACK_TIMEOUT_S": (["soon", "nan", "inf", "-1"], {STAGING_ENV: "peer"}, "kv-staging"),
+    STAGING_ENV: (["peers", "2", "yes", "1"], {}, "kv-staging"),  # 1: slot staging, removed
+    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": (["big", "-1", "nan", "0"], {STAGING_ENV: "peer"}, "kv-staging"),
+    # removed with slot staging: any value set is refused, staging on or off
+    "SGLANG_DSV41_KV_STAGING_SLOTS": (["8", "big"], {}, "kv-staging"),
+    "SGLANG_DSV41_KV_STAGING_SLOT_MB": (["32"], {STAGING_ENV: "peer"}, "kv-staging"),
+    "SGLANG_DSV41_KV_STAGING_ACK_TIMEOUT_S": (["30"], {}, "kv-staging"),
 }
 NO_INVALID_VALUE = {
     "SGLANG_DSV41_ALLOW_DRIFT": "only `1` allows drift; any other value keeps the refusal at load (fail closed)",
@@ -97,7 +98,7 @@ def refused(name, sample, extra, reader):
             from sglang_dsv41.owner_broadcast.hooks import after_model_init
             after_model_init(None, VisionModel())
         else:
-            from sglang_dsv41.mooncake_nvlink.kv_staging.slots import staging_config
+            from sglang_dsv41.mooncake_nvlink.kv_staging.setting import staging_config
             staging_config()
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -79,11 +79,11 @@ BAD_CASES = {
     "health-port-mismatch.yml": ("health-port-mismatch.yml/sglang",
                                  ["healthcheck does not probe its port 30000"], 1),
     "kv-staging-mismatch.yml": ("kv-staging-mismatch.yml/prefill -> kv-staging-mismatch.yml/decode",
-                                ["SGLANG_DSV41_KV_STAGING=1 on the prefill only",
+                                ["SGLANG_DSV41_KV_STAGING=peer on the prefill only",
                                  "would send every block directly"], 2),
-    "kv-staging-modes.yml": ("kv-staging-modes.yml/prefill -> kv-staging-modes.yml/decode",
-                             ["SGLANG_DSV41_KV_STAGING=peer on the prefill but 1 on the decode",
-                              "the modes do not meet"], 1),
+    "kv-staging-removed.yml": ("kv-staging-removed.yml/decode",
+                               ["SGLANG_DSV41_KV_STAGING=1 (slot staging) was removed",
+                                "set SGLANG_DSV41_KV_STAGING=peer"], 1),
     "gpu-count-mismatch.yml": ("gpu-count-mismatch.yml/sglang", ["needs 4 GPUs", "sees 2: 0,1"], 1),
     "pd-vision-one-side.yml": ("pd-vision-one-side.yml/prefill -> pd-vision-one-side.yml/decode",
                                ["vision is on for one side only"], 1),
@@ -336,6 +336,6 @@ def test_kv_staging_values_a_server_would_refuse_are_reported(results):
     errors = _errors(results["bad:kv-staging-mismatch.yml"]["output"])
     refused = [e for e in errors if e.startswith("kv-staging-mismatch.yml/decode-2: ")]
     assert len(refused) == 1, errors
-    assert "SGLANG_DSV41_KV_STAGING_SLOT_MB='lots' is not an integer" in refused[0]
+    assert "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS='lots' is not an integer" in refused[0]
     # decode-2 is left out of the pair check: its setting is already an error
     assert not any(e.startswith("kv-staging-mismatch.yml/prefill -> kv-staging-mismatch.yml/decode-2") for e in errors)

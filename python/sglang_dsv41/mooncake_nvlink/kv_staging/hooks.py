@@ -1,4 +1,4 @@
-"""Adapter: KV staging (opt-in) inside sglang's Mooncake PD managers.
+"""Adapter: KV peer writes (opt-in) inside sglang's Mooncake PD managers.
 
 Design: docs/design/kv_staging.md.
 """
@@ -10,55 +10,42 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from sglang_dsv41 import metrics
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopy, BatchCopyError
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import (
-    MODE_PEER,
-    FALLBACK_BUSY,
-    FALLBACK_SMALL,
-    GrantState,
-    LocalBuffers,
-    SlotPool,
-    StagedReceiver,
-    StagedSender,
-    StagingConfig,
-    StagingConfigError,
-    StagingFrameError,
-    StagingRefused,
-    STAGING_ENV,
-    encode_grant,
-    find_grant,
-    parse_ack,
-    staging_config,
-)
 from sglang_dsv41.mooncake_nvlink.kv_staging import held
-from sglang_dsv41.mooncake_nvlink.state import routing_state
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopy, BatchCopyError
+from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import SESSION_FAILED, TEARDOWN, SessionMappings
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     FALLBACK_NO_PEER_MAP,
-    FALLBACK_PEER_MAP_FAILED,
+    PAGED_FEW_BLOCKS,
     BoundLayout,
     PagedLayout,
     PeerMap,
     PeerMapError,
     PeerTarget,
     PeerTransport,
-    encode_peer_map,
     bind_layout,
+    encode_peer_map,
     find_peer_map,
     send_paged_batch,
     send_peer_batch,
 )
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import (
+    STAGING_ENV,
+    StagingConfig,
+    StagingConfigError,
+    staging_config,
+)
+from sglang_dsv41.mooncake_nvlink.state import routing_state
 
 logger = logging.getLogger("sglang_dsv41.mooncake")
 
-GRANT_ATTR = "_dsv41_staging_grant"
 PEER_MAP_ATTR = "_dsv41_peer_map"
 _STATE_ATTR = "_dsv41_kv_staging"
-FALLBACK_NO_SIDE_CHANNEL = "no_side_channel"
+_SWEEP_EVERY_S = 1.0  # how often a send looks for sessions sglang counts failed
 
 # Tests on machines without a GPU inject a copier and a peer transport here;
 # None = CUDA on the manager's GPU.
@@ -67,7 +54,7 @@ _injected_transport: Optional[PeerTransport] = None
 
 
 def set_batch_copy(copier: Optional[BatchCopy]) -> None:
-    """Use ``copier`` for staging buffers and copies in managers built from now on."""
+    """Use ``copier`` for peer writes in prefill managers built from now on."""
     global _injected_copier
     _injected_copier = copier
 
@@ -81,17 +68,12 @@ def set_peer_transport(transport: Optional[PeerTransport]) -> None:
 @dataclass
 class StagingState:
     config: StagingConfig
-    copier: BatchCopy
-    pool: Optional[SlotPool] = None  # decode
-    buffers: Optional[LocalBuffers] = None  # prefill
-    sender: Optional[StagedSender] = None
-    receiver: Optional[StagedReceiver] = None
-    grants: dict = field(default_factory=dict)  # (session, slot, lease) -> GrantState
+    transport: PeerTransport
+    exported: Optional[PeerMap] = None  # decode
+    mappings: Optional[SessionMappings] = None  # prefill
+    layouts: dict = field(default_factory=dict)  # prefill: kind of send call -> _LearntCall
     lock: threading.Lock = field(default_factory=threading.Lock)
-    transport: Optional[PeerTransport] = None  # peer mode, both sides
-    exported: Optional[PeerMap] = None  # peer mode, decode
-    targets: dict = field(default_factory=dict)  # peer mode, prefill: session -> (PeerMap, target or None)
-    layouts: dict = field(default_factory=dict)  # peer mode, prefill: kind of send call -> _LearntCall
+    next_sweep: float = 0.0
 
 
 def state_of(manager) -> Optional[StagingState]:
@@ -104,16 +86,20 @@ def _role(manager) -> str:
     return str(getattr(mode, "value", mode) or "")
 
 
+def _gpu_id(manager) -> int:
+    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
+    return gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else 0
+
+
 def _copier_for(manager) -> BatchCopy:
     if _injected_copier is not None:
         return _injected_copier
     from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
 
-    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
-    copier = batch_copy_for(gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else None)
+    copier = batch_copy_for(_gpu_id(manager))
     if copier.backend != "triton":
-        # One copy per block costs what the engine's per-block cost does: staging
-        # would only add work, so refuse rather than run it that way.
+        # One copy per block costs what the engine's per-block cost does: refuse
+        # rather than run peer writes that way.
         raise BatchCopyError(
             "the batched copy needs Triton, which is not usable here "
             f"({getattr(copier, 'fallback_reason', None) or 'no reason given'})"
@@ -121,137 +107,95 @@ def _copier_for(manager) -> BatchCopy:
     return copier
 
 
-def _transport_for(manager, copier: BatchCopy) -> PeerTransport:
+def _transport_for(manager, copier: Optional[BatchCopy]) -> PeerTransport:
     if _injected_transport is not None:
         return _injected_transport
     from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport
 
-    gpu_id = getattr(getattr(manager, "kv_args", None), "gpu_id", None)
-    return CudaIpcTransport(copier, gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else 0)
+    return CudaIpcTransport(copier, _gpu_id(manager))
 
 
-def _set_up_peer_mode(manager, role: str, config: StagingConfig, device_regions) -> StagingState:
-    copier = _copier_for(manager)
-    state = StagingState(config, copier, transport=_transport_for(manager, copier))
-    if role == "decode":
-        regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
-        state.exported = state.transport.export(regions)
-    return state
+def _peer_maps_released(reason: str) -> None:
+    metrics.count_kv_staging("kv_staging_peer_maps", reason)
 
 
-def staging_region(manager, device_regions=()) -> Optional[tuple[int, int]]:
-    """Set up this manager's staging once (when staging is on); the region to register, if any.
+def set_up(manager, device_regions=()) -> None:
+    """Set up this manager's peer writes once, when they are on.
 
-    ``device_regions`` are the regions registered with the engine: in peer
-    mode the decode side exports them. Fails closed: staging asked for but
-    impossible stops the manager's construction with a message naming the
-    setting.
+    The decode side exports ``device_regions`` (the regions registered with the
+    engine) and builds nothing else; the prefill side builds its copier. Fails
+    closed: peer writes asked for but impossible stop the manager's construction
+    with a message naming the setting.
     """
-    state = state_of(manager)
-    if state is None:
-        try:
-            config = staging_config()
-        except StagingConfigError as exc:
-            raise RuntimeError(f"[sglang-dsv41] KV staging: {exc}") from exc
-        if config is None:
-            return None
-        role = _role(manager)
-        if role not in ("prefill", "decode"):
-            return None
-        if config.mode == MODE_PEER:
-            try:
-                state = _set_up_peer_mode(manager, role, config, device_regions)
-            except (BatchCopyError, PeerMapError, RuntimeError, OSError) as exc:
-                raise RuntimeError(
-                    f"[sglang-dsv41] {STAGING_ENV}=peer but the {role} side cannot set up peer "
-                    f"writes: {exc}. Use {STAGING_ENV}=1 or unset it, or fix the cause."
-                ) from exc
-            manager.__dict__[_STATE_ATTR] = state
-            slower = getattr(state.copier, "param_reason", None) or getattr(state.copier, "native_reason", None)
-            logger.info(
-                "[sglang-dsv41] KV peer writes on (%s side, %s, paged copies launched: %s%s): %s",
-                role, state.transport.kind, getattr(state.copier, "launcher", "?"),
-                f", not the fastest way: {slower}" if slower else "",
-                f"{len(state.exported.regions)} regions in {len(state.exported.handles)} allocations "
-                "exported" if state.exported is not None else
-                f"batches of {config.min_blocks}+ device blocks written straight into the decode's KV",
-            )
-            return None
-        try:
+    if state_of(manager) is not None:
+        return
+    try:
+        config = staging_config()
+    except StagingConfigError as exc:
+        raise RuntimeError(f"[sglang-dsv41] KV staging: {exc}") from exc
+    role = _role(manager)
+    if config is None or role not in ("prefill", "decode"):
+        return
+    try:
+        if role == "decode":
+            state = StagingState(config, _transport_for(manager, None))
+            regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
+            state.exported = state.transport.export(regions)
+        else:
             copier = _copier_for(manager)
-            state = StagingState(config, copier)
-            if role == "decode":
-                state.pool = SlotPool(copier, config)
-            else:
-                state.buffers = LocalBuffers(copier, config)
-                state.sender = StagedSender(copier, state.buffers, config)
-        except (BatchCopyError, RuntimeError, MemoryError) as exc:
-            raise RuntimeError(
-                f"[sglang-dsv41] {STAGING_ENV}=1 but the {role} side cannot set up its staging "
-                f"memory ({config.slots} x {config.slot_bytes >> 20} MiB): {exc}. Unset "
-                f"{STAGING_ENV} or fix the cause."
-            ) from exc
-        manager.__dict__[_STATE_ATTR] = state
-        logger.info(
-            "[sglang-dsv41] KV staging on (%s side, %s copies): %d x %d MiB %s",
-            role, copier.backend, config.slots, config.slot_bytes >> 20,
-            "slots for prefill peers" if role == "decode" else "gather buffers",
-        )
-    owner = state.pool or state.buffers
-    return owner.region if owner is not None else None
-
+            state = StagingState(config, _transport_for(manager, copier))
+            state.mappings = SessionMappings(state.transport, on_release=_peer_maps_released)
+    except (BatchCopyError, PeerMapError, RuntimeError, OSError) as exc:
+        raise RuntimeError(
+            f"[sglang-dsv41] {STAGING_ENV}=peer but the {role} side cannot set up peer "
+            f"writes: {exc}. Unset {STAGING_ENV} or fix the cause."
+        ) from exc
+    manager.__dict__[_STATE_ATTR] = state
+    if state.exported is not None:
+        logger.info("[sglang-dsv41] KV peer writes on (decode side, %s): %d regions in %d allocations "
+                    "exported", state.transport.kind, len(state.exported.regions), len(state.exported.handles))
+        return
+    copier = getattr(state.transport, "copier", None)
+    slower = getattr(copier, "param_reason", None) or getattr(copier, "native_reason", None)
+    logger.info(
+        "[sglang-dsv41] KV peer writes on (prefill side, %s, paged copies launched: %s%s): batches of "
+        "%d+ device blocks written straight into the decode's KV", state.transport.kind,
+        getattr(copier, "launcher", "?"), f", not the fastest way: {slower}" if slower else "",
+        config.min_blocks,
+    )
 
 
 _warned_without_nvlink = False
 
 
 def warn_without_nvlink_intra() -> None:
-    """Staging asked for on a transport it does not apply to: say so once per process."""
+    """Peer writes asked for on a transport they do not apply to: say so once per process."""
     global _warned_without_nvlink
     if _warned_without_nvlink or (os.environ.get(STAGING_ENV) or "").strip() in ("", "0"):
         return
     _warned_without_nvlink = True
     logger.warning(
         "[sglang-dsv41] %s is set but Mooncake's intra-node NVLink transport is not active "
-        "(MC_INTRANODE_NVLINK / MOONCAKE_PROTOCOL=nvlink_intra): KV staging has no effect",
+        "(MC_INTRANODE_NVLINK / MOONCAKE_PROTOCOL=nvlink_intra): KV peer writes have no effect",
         STAGING_ENV,
     )
 
 
-# --- grants -------------------------------------------------------------------------
+# --- registration: the decode's peer map ---------------------------------------------
 
 
 def around_send_bootstrap_message(original, self, *, bootstrap_info, message, operation):
-    """AROUND CommonKVReceiver._send_bootstrap_message: the registration carries the peer's grant."""
+    """AROUND CommonKVReceiver._send_bootstrap_message: the registration carries the peer map."""
     state = state_of(getattr(self, "kv_mgr", None)) if operation == "_register_kv_args" else None
     if state is not None and state.exported is not None and not bootstrap_info.get("is_dummy"):
-        metrics.count_kv_staging("kv_staging_grants", "peer_map")
+        metrics.count_kv_staging("kv_staging_peer_maps", "sent")
         message = list(message) + encode_peer_map(state.exported)
-    elif state is not None and state.pool is not None and not bootstrap_info.get("is_dummy"):
-        peer = f"{bootstrap_info.get('rank_ip')}:{bootstrap_info.get('rank_port')}"
-        grant = state.pool.lease(peer)
-        if grant is None:
-            metrics.count_kv_staging("kv_staging_grants", "pool_full")
-            logger.warning(
-                "[sglang-dsv41] KV staging: every one of the %d slots is leased; prefill peer %s "
-                "uses the direct path", state.config.slots, peer,
-            )
-        else:
-            metrics.count_kv_staging("kv_staging_grants", "granted")
-            message = list(message) + encode_grant(grant)
     return original(self, bootstrap_info=bootstrap_info, message=message, operation=operation)
 
 
 def around_register_info_from_zmq(original, cls, msg):
-    """AROUND KVArgsRegisterInfo.from_zmq: keep a decode peer's grant on its registration info."""
+    """AROUND KVArgsRegisterInfo.from_zmq: keep a decode peer's map on its registration info."""
     info = original(cls, msg)
-    try:
-        grant = find_grant(msg)
-    except StagingFrameError as exc:
-        logger.error("[sglang-dsv41] KV staging: ignoring a malformed grant: %s", exc)
-        grant = None
-    if grant is not None:
-        info.__dict__[GRANT_ATTR] = grant
     try:
         peer = find_peer_map(msg)
     except PeerMapError as exc:
@@ -262,95 +206,50 @@ def around_register_info_from_zmq(original, cls, msg):
     return info
 
 
-def _grant_state(manager, state: StagingState, session_id: str) -> Optional[GrantState]:
-    table = getattr(manager, "decode_kv_args_table", None) or {}
-    grant = getattr(table.get(session_id), GRANT_ATTR, None)
-    if grant is None:
-        return None
-    key = (session_id, grant.slot_ptr, grant.lease)
-    with state.lock:
-        found = state.grants.get(key)
-        if found is None:
-            found = state.grants[key] = GrantState(grant)
-    return found
-
-
-# --- acknowledgements ------------------------------------------------------------------
-
-_inbox = threading.local()
-
-
-def _tcp(ip: str) -> str:
-    return f"tcp://[{ip}]" if ":" in ip else f"tcp://{ip}"
-
-
-def _ack_inbox(manager):
-    """This thread's socket for acknowledgements: (socket, address)."""
-    sock = getattr(_inbox, "sock", None)
-    if sock is None:
-        import zmq
-
-        ip = getattr(manager, "local_ip", None) or "127.0.0.1"
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        if ":" in ip:
-            sock.setsockopt(zmq.IPV6, 1)
-        port = sock.bind_to_random_port(_tcp(ip))
-        _inbox.sock, _inbox.address = sock, f"{_tcp(ip)}:{port}"
-    return sock, _inbox.address
-
-
-def _await_ack(sock) -> Callable[[int, float], Optional[str]]:
-    def wait(nonce: int, timeout_s: float) -> Optional[str]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                raise TimeoutError
-            try:
-                got, refusal = parse_ack(sock.recv_multipart())
-            except StagingFrameError:
-                continue
-            if got == nonce:
-                return refusal
-            # an acknowledgement of an earlier batch that had timed out: stale
-
-    return wait
+def after_teardown(result, self):
+    """AFTER MooncakeKVManager.teardown: a role switch closes every decode mapping."""
+    state = state_of(self)
+    if state is not None and state.mappings is not None:
+        state.mappings.close_all(TEARDOWN)
+    return None
 
 
 # --- prefill: one device batch ------------------------------------------------------------
 
 
+def _sweep_failed_sessions(manager, state: StagingState) -> None:
+    """Let go of the mappings of sessions sglang counts failed (a dead decode's memory)."""
+    now = time.monotonic()
+    if now < state.next_sweep:
+        return
+    state.next_sweep = now + _SWEEP_EVERY_S
+    try:  # sglang's bootstrap and worker threads change the set: a copy may meet that
+        failed = list(getattr(manager, "failed_sessions", ()) or ())
+    except RuntimeError:
+        return
+    if failed:
+        state.mappings.drop(failed, SESSION_FAILED)
+
+
 def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optional[PeerTarget], Optional[str]]:
     """The opened peer map of ``session_id``'s latest registration, or (None, why not)."""
-    table = getattr(manager, "decode_kv_args_table", None) or {}
-    peer = getattr(table.get(session_id), PEER_MAP_ATTR, None)
+    _sweep_failed_sessions(manager, state)
+    info = (getattr(manager, "decode_kv_args_table", None) or {}).get(session_id)
+    peer = getattr(info, PEER_MAP_ATTR, None)
     if peer is None:
         return None, FALLBACK_NO_PEER_MAP
-    with state.lock:
-        known = state.targets.get(session_id)
-        if known is not None and known[0] is peer:
-            return known[1], (None if known[1] is not None else FALLBACK_PEER_MAP_FAILED)
-        if known is not None and known[1] is not None:
-            known[1].retire()  # the decode registered again (restarted): drop its old mappings
-        try:
-            target = state.transport.open(peer)
-            logger.info(
-                "[sglang-dsv41] KV peer writes: mapped decode session %s (%d regions in %d "
-                "allocations, %s)%s", session_id, len(peer.regions), len(peer.handles), peer.kind,
-                "; its previous mapping is released once idle" if known is not None else "",
-            )
-        except (PeerMapError, OSError) as exc:
-            logger.error(
-                "[sglang-dsv41] KV peer writes: cannot map decode session %s (%s): %s; its batches "
-                "go the direct way", session_id, peer.kind, exc,
-            )
-            target = None
-        state.targets[session_id] = (peer, target)
-    return target, (None if target is not None else FALLBACK_PEER_MAP_FAILED)
+    endpoint = (getattr(info, "endpoint", None), getattr(info, "dst_port", None))
+    return state.mappings.target(session_id, peer, endpoint if endpoint[0] is not None else None)
 
 
-def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
+def send_device_batch(manager, session_id, blocks, write) -> int:
+    """Send ``blocks`` (device-sourced) as one peer write, or directly."""
+    state = state_of(manager)
+    if state is None or state.mappings is None:
+        return write(blocks)
+    if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
+        metrics.count_kv_staging("kv_staging_batches", PAGED_FEW_BLOCKS)
+        return write(blocks)
     target, why_not = _peer_target(manager, state, session_id)
     if target is None:
         metrics.count_kv_staging("kv_staging_batches", why_not)
@@ -362,47 +261,6 @@ def _send_peer(manager, state: StagingState, session_id, blocks, write) -> int:
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s", session_id, type(exc).__name__, exc)
         return held.fail_room(manager, f"KV peer write failed: {type(exc).__name__}: {exc}")
     metrics.count_kv_staging("kv_staging_batches", outcome.fallback or "peer")
-    return outcome.rc
-
-
-def send_device_batch(manager, session_id, blocks, write, side_channel) -> int:
-    """Send ``blocks`` (device-sourced) as a peer write, through the peer's slot, or directly."""
-    state = state_of(manager)
-    if state is None or (state.sender is None and state.transport is None):
-        return write(blocks)
-    if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
-        metrics.count_kv_staging("kv_staging_batches", FALLBACK_SMALL)
-        return write(blocks)
-    if state.transport is not None:
-        return _send_peer(manager, state, session_id, blocks, write)
-    grant_state = _grant_state(manager, state, session_id)
-    try:
-        channel = side_channel() if grant_state is not None else None
-    except Exception as exc:  # no decode endpoint known for this session
-        logger.debug("KV staging: no side channel for %s: %s", session_id, exc)
-        metrics.count_kv_staging("kv_staging_batches", FALLBACK_NO_SIDE_CHANNEL)
-        return write(blocks)
-    try:
-        sock, address = _ack_inbox(manager) if grant_state is not None else (None, "")
-        outcome = state.sender.send(
-            blocks, grant_state, channel.room if channel else 0, address, write,
-            channel.send if channel else None, _await_ack(sock) if sock else None,
-        )
-    except StagingRefused as exc:
-        metrics.count_kv_staging("kv_staging_batches", "failed")
-        logger.error("[sglang-dsv41] KV staging: batch to %s failed: %s", session_id, exc)
-        return -1
-    except Exception as exc:
-        metrics.count_kv_staging("kv_staging_batches", "failed")
-        logger.error(
-            "[sglang-dsv41] KV staging: batch to %s failed: %s: %s",
-            session_id, type(exc).__name__, exc,
-        )
-        return -1
-    path = outcome.fallback or ("staged" if outcome.rc == 0 else "failed")
-    metrics.count_kv_staging("kv_staging_batches", path)
-    if path == FALLBACK_BUSY:
-        logger.debug("KV staging: slot or gather buffer busy for %s; direct path", session_id)
     return outcome.rc
 
 
@@ -516,7 +374,7 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
                     dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
 
     state = state_of(self)
-    if state is None or state.transport is None or dst_device_data_indices is not None or _layers_on_executor(self):
+    if state is None or state.mappings is None or dst_device_data_indices is not None or _layers_on_executor(self):
         return original(self, **call_as_given())
     routing = routing_state(self)
     target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
@@ -597,7 +455,7 @@ def _room_gone(manager, room) -> bool:
 def around_transfer_worker(original, self, queue, *args, **kwargs):
     """AROUND MooncakeKVManager.transfer_worker: in peer mode, hold a last chunk's sends for one write."""
     state = state_of(self)
-    if state is None or state.transport is None:
+    if state is None or state.mappings is None:
         return original(self, queue, *args, **kwargs)
     return original(self, held.ChunkAwareQueue(queue), *args, **kwargs)
 
@@ -636,51 +494,3 @@ def around_conclude_transfer(original, self, *, bootstrap_room, status, targets=
             held.drop_held("the transfer failed")
     return original(self, bootstrap_room=bootstrap_room, status=status, targets=targets,
                     failure_reason=failure_reason)
-
-
-# --- decode: one staged-blocks message -----------------------------------------------------
-
-_ack_sockets: dict = {}
-_ack_lock = threading.Lock()
-
-
-def _send_ack(address: str, frames) -> None:
-    import zmq
-
-    with _ack_lock:
-        sock = _ack_sockets.get(address)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            if address.startswith("tcp://["):
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(address)
-            _ack_sockets[address] = sock
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.error("[sglang-dsv41] KV staging: acknowledgement to %s not sent (peer gone?)",
-                         address)
-
-
-def handle_staged(manager, msg, published: Callable[[], list]) -> None:
-    """Scatter one staged-blocks message and acknowledge it; never raises."""
-    state = state_of(manager)
-    if state is None or state.pool is None:
-        logger.error("[sglang-dsv41] KV staging: a staged-blocks message arrived but this decode "
-                     "side has no slot pool (staging off or in peer mode); dropped (the prefill's "
-                     "transfer times out)")
-        metrics.count_kv_staging("kv_staging_scatters", "refused")
-        return
-    if state.receiver is None:
-        state.receiver = StagedReceiver(state.pool, published(), state.copier)
-    verdict = state.receiver.handle(msg)
-    metrics.count_kv_staging("kv_staging_scatters", "done" if verdict.done else "refused")
-    if not verdict.done:
-        logger.error("[sglang-dsv41] KV staging: refused a staged-blocks message (room %s): %s",
-                     verdict.room, verdict.reason)
-    if verdict.ack is not None and verdict.reply_to:
-        try:
-            _send_ack(verdict.reply_to, verdict.ack)
-        except Exception:
-            logger.exception("[sglang-dsv41] KV staging: acknowledgement failed")

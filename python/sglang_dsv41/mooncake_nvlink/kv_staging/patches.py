@@ -9,38 +9,38 @@ from sglang_dsv41.plugin.spec import Feature, HookKind, Patch, Role, roles
 
 FEATURE = Feature(
     name="kv_staging",
-    summary="a PD request's many small KV blocks written as few copies (opt-in: SGLANG_DSV41_KV_STAGING)",
+    summary="a PD request's many small KV blocks written as few copies straight into the decode's KV (opt-in: SGLANG_DSV41_KV_STAGING=peer)",
     design_note="docs/design/kv_staging.md",
     remove_when="sglang moves MLA/DeepSeek-V4 KV in few large writes itself (its staging path covers non-MLA pools only), or Mooncake's per-block cost disappears",
 )
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        id="MC-KVS-GRANT-SEND",
+        id="MC-KVS-MAP-SEND",
         group="kv_staging",
         target="sglang.srt.disaggregation.common.conn.CommonKVReceiver._send_bootstrap_message",
         kind=HookKind.AROUND,
         hook="sglang_dsv41.mooncake_nvlink.kv_staging.hooks:around_send_bootstrap_message",
         roles=roles(Role.SCHEDULER),
-        reason="KV staging (opt-in, SGLANG_DSV41_KV_STAGING=1 or peer), decode side: the "
+        reason="KV peer writes (opt-in, SGLANG_DSV41_KV_STAGING=peer), decode side: the "
         "registration message to each prefill peer is the only per-peer message sent once; it "
-        "carries that peer's lease of one slot of the decode's staging pool (1), or the decode's "
-        "exported KV regions (peer), as trailing frames, which a prefill without the plugin "
-        "ignores. A no-op when staging is off.",
+        "carries the decode's exported KV and state regions as trailing frames, which a prefill "
+        "without the plugin ignores. A no-op when peer writes are off.",
         source="none: added here (the original fork sends every block directly)",
         signature="(self, *, bootstrap_info: dict, message: List[bytes], operation: Literal['_register_kv_args', 'send_metadata'])",
         ast_sha="f352c53590625ae8",
     ),
     Patch(
-        id="MC-KVS-GRANT-READ",
+        id="MC-KVS-MAP-READ",
         group="kv_staging",
         target="sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo.from_zmq",
         kind=HookKind.AROUND,
         hook="sglang_dsv41.mooncake_nvlink.kv_staging.hooks:around_register_info_from_zmq",
         roles=roles(Role.SCHEDULER),
-        reason="KV staging, prefill side: read a decode peer's slot grant or peer map from the "
-        "trailing frames of its registration message and keep it on the parsed registration info, "
-        "which the transfer funnel (MC-NVL-TRANSFER) looks up per session.",
+        reason="KV peer writes, prefill side: read a decode peer's map from the trailing frames "
+        "of its registration message and keep it on the parsed registration info, which the "
+        "transfer funnel (MC-NVL-TRANSFER) looks up per session; a malformed map is logged and "
+        "ignored (that decode's batches go the direct way).",
         source="none: added here (the original fork sends every block directly)",
         signature="(cls, msg: List[bytes])",
         ast_sha="e3ae6829911ff4f1",
@@ -106,5 +106,19 @@ PATCHES: tuple[Patch, ...] = (
         source="none: added here (the original fork sends every block directly)",
         signature="(self, *, bootstrap_room: int, status: KVPoll, targets: Optional[List[Tuple[str, int]]]=None, failure_reason: Optional[str]=None)",
         ast_sha="4f077067128c20a2",
+    ),
+    Patch(
+        id="MC-KVS-TEARDOWN",
+        group="kv_staging",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.teardown",
+        kind=HookKind.AFTER,
+        hook="sglang_dsv41.mooncake_nvlink.kv_staging.hooks:after_teardown",
+        roles=roles(Role.SCHEDULER),
+        reason="KV peer writes, prefill side: a manager torn down for a role switch closes its "
+        "mappings of every decode session (each once no write uses it); an open CUDA IPC "
+        "mapping keeps the decode's allocation alive. A no-op in other modes.",
+        source="none: added here (the original fork has no peer writes)",
+        signature="(self)",
+        ast_sha="1b3104b8295de785",
     ),
 )

@@ -33,9 +33,6 @@ HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")  # region pointer, length, offset in allocation, handle
 MAX_PEER_REGIONS = 1 << 14
 KINDS = ("cuda-ipc", "host-cma")
-# A peer write costs one kernel launch and a synchronize (tens of us); the
-# engine about 7 us per block: below a handful of blocks the direct path wins.
-DEFAULT_PEER_MIN_BLOCKS = 8
 # The GPU copy runs at the 16-byte width it is compiled and probed for at start: rows
 # narrower than that (DSpark's 8-byte request row) would drop a whole held write to a
 # slower kernel compiled on a transfer worker at its first use, so they go the direct
@@ -264,9 +261,10 @@ class CudaIpcTransport:
     kind = "cuda-ipc"
     min_word = CUDA_COPY_WORD
 
-    def __init__(self, copier: BatchCopy, device: int, runtime=None, driver=None):
-        """``runtime``/``driver``: the CUDA runtime (a ``CudaRuntime``) and driver library, or
-        stand-ins with the same calls (tests); found in the process when None."""
+    def __init__(self, copier: Optional[BatchCopy], device: int, runtime=None, driver=None):
+        """``copier``: None on a decode, which only exports. ``runtime``/``driver``: the CUDA
+        runtime (a ``CudaRuntime``) and driver library, or stand-ins with the same calls (tests);
+        found in the process when None."""
         from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import CudaRuntime
 
         self.copier = copier

@@ -17,7 +17,7 @@ from sglang_dsv41.tools.plan.compose import LOCAL_HOST, Project, Service
 from sglang_dsv41.tools.plan.commands import ShellRefused, unwrap
 from sglang_dsv41.launch_guards.rules import CrashFeatures, known_crash
 from sglang_dsv41.mooncake_nvlink.routing import nvlink_intra_reason
-from sglang_dsv41.mooncake_nvlink.kv_staging.slots import STAGING_ENV, StagingConfigError, staging_config
+from sglang_dsv41.mooncake_nvlink.kv_staging.setting import STAGING_ENV, StagingConfigError, staging_config
 
 LOOPBACK = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "[::1]"}
 MOONCAKE_MASTER_RPC_PORT = 50051  # mooncake_master's default --rpc_port
@@ -520,7 +520,7 @@ def check_pd_pairs(pairs) -> list[Problem]:
 
 
 def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
-    """KV staging settings a PD server would refuse at start, or that would do nothing."""
+    """KV peer-write settings a PD server would refuse at start, or that would do nothing."""
     problems = []
     setting: dict[int, object] = {}
     for server in plan.servers:
@@ -549,13 +549,8 @@ def check_kv_staging(plan: Plan, pairs) -> list[Problem]:
             value = _switch((prefill if on["prefill"] else decode).service.environment)
             problems.append(Problem(pair,
                                     f"{STAGING_ENV}={value} on the {only} only: it needs the same value on "
-                                    "both sides (the decode side leases slots or exports its KV, the prefill "
-                                    "side writes them), so this pair would send every block directly"))
-        elif on["prefill"] and setting[id(prefill)].mode != setting[id(decode)].mode:
-            problems.append(Problem(pair,
-                                    f"{STAGING_ENV}={_switch(prefill.service.environment)} on the prefill but "
-                                    f"{_switch(decode.service.environment)} on the decode: the modes do not "
-                                    "meet, so this pair would send every block directly"))
+                                    "both sides (the decode side exports its KV, the prefill side writes "
+                                    "into it), so this pair would send every block directly"))
     return problems
 
 
