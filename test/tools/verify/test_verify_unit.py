@@ -268,3 +268,12 @@ def test_checks_that_cannot_run_here_are_skipped_not_passed(tmp_path, model):
     report = json.loads((tmp_path / "out" / "verify-report.json").read_text())
     assert report["ok"] is False and {c["status"] for c in report["checks"]} == {"skip"}
     assert report["sides"] == {} and report["versions"]["sglang"] == PINNED_SGLANG_VERSION
+
+
+def test_json_prints_the_report_it_writes(tmp_path, model):
+    done = run_verify("--device", "cpu", "--model-path", str(model), "--features", "pd_peer_writes",
+                      "--out", str(tmp_path / "out"), "--json")
+    assert done.returncode == 1, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed == json.loads((tmp_path / "out" / "verify-report.json").read_text())
+    assert printed["checks"][0]["detail"] == "CPU-only run: this check needs GPUs"
