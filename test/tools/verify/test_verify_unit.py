@@ -210,7 +210,7 @@ def fake_nvidia_smi(tmp_path, gpus: int) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     script = bin_dir / "nvidia-smi"
-    script.write_text("#!/bin/sh\n" + "".join(f"echo 'NVIDIA B300 SXM6'\n" for _ in range(gpus)))
+    script.write_text("#!/bin/sh\n" + "".join("echo 'NVIDIA B300 SXM6'\n" for _ in range(gpus)))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin"}
 
