@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from sglang_dsv41.tools.plan.compose import LOCAL_HOST, Project, Service
 from sglang_dsv41.tools.plan.commands import ShellRefused, unwrap
+from sglang_dsv41.tools.plan.cross_host import check_cluster
 from sglang_dsv41.launch_guards.rules import CrashFeatures, known_crash
 from sglang_dsv41.mooncake_nvlink.routing import nvlink_intra_reason
 from sglang_dsv41.mooncake_nvlink.kv_staging.setting import STAGING_ENV, StagingConfigError, staging_config
@@ -236,6 +237,7 @@ def check_plan(plan: Plan, all_services: list[Service], options: "PlanOptions | 
     problems += check_mooncake(plan)
     problems += check_nvlink_intra(plan)
     problems += check_host_memory(plan, options)
+    problems += check_cluster(plan, Problem)  # PD across machines, manifests' own rules
     return problems
 
 
@@ -405,6 +407,8 @@ def _server_for_url(router: PlannedRouter, url: str, plan: Plan) -> tuple[Planne
         return None, f"{url}: no sglang server of host {rsvc.host} listens on port {port}"
     for server in plan.servers:
         svc = server.service
+        if host == svc.host and _is_host_network(svc) and server.layout.port == port:
+            return server, ""  # another host's server, by that host's address
         if svc.compose_file == rsvc.compose_file and host in (svc.name, svc.container_name):
             if server.layout.port != port:
                 return None, f"{url}: {svc.label} listens on {server.layout.port}, not {port}"

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from sglang_dsv41.tools.plan.compose import ComposeError, Project, Service, load_compose_config, load_project
 from sglang_dsv41.tools.plan.reader import Compose, find_compose, load_project_with_compose
+from sglang_dsv41.tools.plan.k8s import is_manifest, load_manifests
+from sglang_dsv41.tools.plan.cross_host import offline_argv
 from sglang_dsv41.tools.plan.checks import (
     Plan,
     PlannedServer,
@@ -195,6 +197,9 @@ def read_projects(compose_files: list[str], profiles: list[str] | None = None,
     """Every input read and checked for shape; raises ComposeError (one line)."""
     projects: list[Project] = []
     for path in compose_files:
+        if is_manifest(path):  # Kubernetes manifests (or a kustomization) have their own reader
+            projects.append(_guarded(path, lambda: load_manifests(path)))
+            continue
         if compose is not None:
             projects.append(_guarded(path, lambda: load_project_with_compose(compose, path, profiles=profiles)))
         else:
@@ -387,7 +392,7 @@ def server_argv(service: Service, args: list[str], checkpoint: Path) -> tuple[li
     the service really serves (its directory on the host, where it is mounted)."""
     from sglang.cli.serve import _extract_model_type_override, _normalize_positional_model_path
 
-    _backend, argv = _extract_model_type_override(list(args))
+    _backend, argv = _extract_model_type_override(offline_argv(list(args)))
     argv, _ = _normalize_positional_model_path(argv)
     argv = list(argv)
     for n, token in enumerate(argv):

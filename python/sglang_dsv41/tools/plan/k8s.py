@@ -1,0 +1,348 @@
+"""Read Kubernetes manifests (RoleBasedGroup, Deployment, LeaderWorkerSet) into plan's service model.
+
+Every pod a manifest would create becomes one ``Service``, as a compose service
+would: its container's command and arguments (``$(VAR)`` expanded the way the
+kubelet does, with the variables RoleBasedGroup injects), environment, mounted
+files (ConfigMaps are written to a private directory so ``--config`` reads
+them), its GPUs (``nvidia.com/gpu``) and its readiness probe as the
+healthcheck. Replicas are expanded; each pod is addressed by the DNS names the
+workload gives it, so router URLs are checked against the roles' real names.
+All pods share one host, ``cluster``: the device plugin gives each pod its own
+GPUs (their ids carry the pod's name) and each pod has its own network, so the
+per-host rules find no false overlaps.
+
+A directory with a ``kustomization.yaml`` is rendered with ``kubectl kustomize``
+first. An unknown kind or API version, or a field this reader does not
+understand where it matters, is one line (``ComposeError``), never skipped.
+No sglang import here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sglang_dsv41.tools.plan.compose import (
+    HOST_LABEL,
+    BindMount,
+    ComposeError,
+    GpuReservation,
+    Project,
+    Service,
+    read_text,
+)
+
+CLUSTER_HOST = "cluster"
+KUSTOMIZATION = "kustomization.yaml"
+RBG_API = "workloads.x-k8s.io/v1alpha2"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Objects a deployment carries beside its workloads; read for what they hold or
+# accepted as they are (none of them changes what a server runs).
+PASSIVE = {("v1", "Service"), ("v1", "PersistentVolumeClaim"), ("v1", "Secret"), ("v1", "ServiceAccount"),
+           ("v1", "Namespace"), ("policy/v1", "PodDisruptionBudget")}
+WORKLOADS = {(RBG_API, "RoleBasedGroup"), ("apps/v1", "Deployment"), (LWS_API, "LeaderWorkerSet")}
+# Where a manifest's pod came from, for the checks only a manifest has (restart coupling, probes).
+MANIFEST_LABEL = "sglang-dsv41.k8s"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def is_manifest(path: str | Path) -> bool:
+    """A kustomization directory, or a YAML file whose documents carry apiVersion and kind."""
+    p = Path(path)
+    if p.is_dir():
+        return (p / KUSTOMIZATION).is_file()
+    if p.suffix not in (".yaml", ".yml") or not p.is_file():
+        return False
+    try:
+        head = p.read_text(errors="replace")[:65536]
+    except OSError:
+        return False
+    return bool(re.search(r"^apiVersion\s*:", head, re.M)) and bool(re.search(r"^kind\s*:", head, re.M))
+
+
+def render(path: Path) -> str:
+    """The manifest text: a file as it is, a kustomization rendered by kubectl."""
+    if not path.is_dir():
+        return read_text(path, "manifest")
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise ComposeError(f"{path}: a kustomization, and kubectl is not on PATH: render it with "
+                           f"`kubectl kustomize {path} > manifest.yaml` and plan that file")
+    try:
+        done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ComposeError(f"{path}: kubectl kustomize did not finish in 60 s") from None
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+        raise ComposeError(f"{path}: kubectl kustomize failed: {lines[-1] if lines else done.returncode}")
+    return done.stdout
+
+
+def load_manifests(path: str | Path) -> Project:
+    source = Path(path).resolve()
+    shown = source.name
+    try:
+        documents = [d for d in yaml.safe_load_all(render(source)) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"{shown}: not valid YAML ({' '.join(str(exc).split())[:200]})") from None
+    if not documents:
+        raise ComposeError(f"{shown}: no Kubernetes object in it")
+    objects = []
+    for n, doc in enumerate(documents):
+        if not isinstance(doc, dict):
+            raise ComposeError(f"{shown}: document {n + 1} is not a mapping")
+        key = (doc.get("apiVersion"), doc.get("kind"))
+        name = _get(doc, "metadata", "name")
+        if not isinstance(name, str) or not name:
+            raise ComposeError(f"{shown}: document {n + 1} ({key[1]}) has no metadata.name")
+        if key not in WORKLOADS and key not in PASSIVE and key != ("v1", "ConfigMap"):
+            known = sorted({k for _, k in WORKLOADS} | {"ConfigMap"} | {k for _, k in PASSIVE})
+            raise ComposeError(f"{shown}: {key[1]} {name} (apiVersion {key[0]}) is not a kind plan reads "
+                               f"({', '.join(f'{a} {k}' for a, k in sorted(WORKLOADS))}; also "
+                               f"{', '.join(known)})")
+        objects.append(doc)
+    reader = _Reader(source, {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"})
+    services: list[Service] = []
+    for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) in WORKLOADS:
+            services += reader.workload(obj)
+    if not services:
+        raise ComposeError(f"{shown}: no workload (RoleBasedGroup, Deployment, LeaderWorkerSet) in it")
+    names = [s.name for s in services]
+    if len(set(names)) != len(names):
+        raise ComposeError(f"{shown}: two pods of one name ({sorted(n for n in names if names.count(n) > 1)[0]})")
+    # Not a compose project: two manifests collide only through objects of one name in one namespace.
+    namespace = _get(objects[0], "metadata", "namespace") or "default"
+    workloads = sorted(o["metadata"]["name"] for o in objects if (o["apiVersion"], o["kind"]) in WORKLOADS)
+    return Project(name=f"k8s:{namespace}/{','.join(workloads)}", compose_file=source, services=services)
+
+
+def _get(node: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    return node
+
+
+class _Reader:
+    def __init__(self, source: Path, config_maps: dict[str, dict]):
+        self.source = source
+        self.shown = source.name
+        self.config_maps = config_maps
+        self._files: Path | None = None
+        self.kind = ""
+
+    # ----------------------------------------------------------------- workloads
+
+    def workload(self, obj: dict) -> list[Service]:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        self.kind = kind
+        spec = obj.get("spec") or {}
+        if kind == "RoleBasedGroup":
+            return self._rbg(name, spec)
+        if kind == "Deployment":
+            replicas = self._replicas(spec, f"Deployment {name}")
+            template = self._template(spec.get("template"), f"Deployment {name}")
+            return [self._pod(f"{name}-{i}", template, {"DEPLOYMENT": name},
+                              aliases=(name,) if replicas == 1 else (), role=name, restart=None)
+                    for i in range(replicas)]
+        replicas = self._replicas(spec, f"LeaderWorkerSet {name}")
+        group = spec.get("leaderWorkerTemplate") or {}
+        size = int(group.get("size") or 1)
+        template = self._template(group.get("leaderTemplate") or group.get("workerTemplate"),
+                                  f"LeaderWorkerSet {name}")
+        restart = group.get("restartPolicy")
+        return [self._pod(f"{name}-{i}", template, {"LWS_LEADER_ADDRESS": f"{name}-{i}.{name}",
+                                                    "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": "0"},
+                          aliases=(f"{name}-{i}.{name}",), role=name, restart=restart, group_size=size)
+                for i in range(replicas)]
+
+    def _rbg(self, group: str, spec: dict) -> list[Service]:
+        roles = spec.get("roles")
+        if not isinstance(roles, list) or not roles:
+            raise ComposeError(f"{self.shown}: RoleBasedGroup {group} has no roles")
+        role_names = [r.get("name") for r in roles if isinstance(r, dict)]
+        pods: list[Service] = []
+        by_role: dict[str, list[str]] = {}
+        for role in roles:
+            rname = role.get("name") if isinstance(role, dict) else None
+            where = f"RoleBasedGroup {group} role {rname}"
+            if not isinstance(rname, str) or not rname:
+                raise ComposeError(f"{self.shown}: RoleBasedGroup {group}: a role without a name")
+            replicas = self._replicas(role, where)
+            patterns = [k for k in ("standalonePattern", "leaderWorkerPattern", "customComponentsPattern")
+                        if k in role]
+            if len(patterns) != 1 or patterns[0] == "customComponentsPattern":
+                raise ComposeError(f"{self.shown}: {where}: plan reads roles with exactly one of "
+                                   "standalonePattern or leaderWorkerPattern")
+            pattern = role[patterns[0]] or {}
+            size = int(pattern.get("size") or 1) if patterns[0] == "leaderWorkerPattern" else 1
+            template = self._template(pattern.get("template"), where)
+            for dep in role.get("dependencies") or []:
+                if dep not in role_names:
+                    raise ComposeError(f"{self.shown}: {where} depends on role {dep}, which the group lacks")
+            by_role[rname] = []
+            for i in range(replicas):
+                pod = f"{group}-{rname}-{i}"
+                address = f"{pod}.s-{group}-{rname}"
+                env = {"RBG_GROUP_NAME": group, "RBG_ROLE_NAME": rname, "RBG_ROLE_INDEX": str(i),
+                       "RBG_LWP_LEADER_ADDRESS": address, "RBG_LWP_GROUP_SIZE": str(size),
+                       "RBG_LWP_WORKER_INDEX": "0"}
+                service = self._pod(f"{rname}-{i}", template, env, aliases=(address,), role=rname,
+                                    restart=role.get("restartPolicy") or (pattern.get("restartPolicy") or {}).get("type"),
+                                    group_size=size)
+                service.raw["dependencies"] = list(role.get("dependencies") or [])
+                pods.append(service)
+                by_role[rname].append(service.name)
+        for service in pods:
+            for dep in service.raw["dependencies"]:
+                for name in by_role[dep]:
+                    service.depends_on[name] = "service_healthy"
+        return pods
+
+    def _replicas(self, spec: dict, where: str) -> int:
+        replicas = spec.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 0 <= replicas <= 256:
+            raise ComposeError(f"{self.shown}: {where}: replicas must be a whole number 0-256, not {replicas!r}")
+        return replicas
+
+    def _template(self, template: Any, where: str) -> dict:
+        spec = _get(template, "spec")
+        if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list) or not spec["containers"]:
+            raise ComposeError(f"{self.shown}: {where}: a pod template with containers is required")
+        return template
+
+    # ----------------------------------------------------------------- one pod
+
+    def _pod(self, name: str, template: dict, injected: dict[str, str], *, aliases: tuple[str, ...],
+             role: str, restart: str | None, group_size: int = 1) -> Service:
+        spec = template["spec"]
+        containers = spec["containers"]
+        if len(containers) != 1:
+            raise ComposeError(f"{self.shown}: pod {name}: plan reads pods of one container "
+                               f"(this one has {len(containers)})")
+        container = containers[0]
+        where = f"{self.shown}: pod {name}"
+        environment = dict(injected)
+        for ref in container.get("envFrom") or []:
+            cm = _get(ref, "configMapRef", "name")
+            if cm is None or cm not in self.config_maps:
+                raise ComposeError(f"{where}: envFrom names no ConfigMap of this manifest ({ref!r})")
+            environment.update({str(k): str(v) for k, v in (self.config_maps[cm].get("data") or {}).items()})
+        for item in container.get("env") or []:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise ComposeError(f"{where}: an env entry without a name")
+            if "value" in item:
+                environment[item["name"]] = _VAR.sub(lambda m: environment.get(m.group(1), m.group(0)),
+                                                     str(item["value"]))
+            else:  # valueFrom: known only in the cluster
+                environment[item["name"]] = f"$({item['name']})"
+        argv = [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+        argv = [_VAR.sub(lambda m: environment.get(m.group(1), m.group(0)), t) for t in argv]
+        labels = {str(k): str(v) for k, v in (_get(template, "metadata", "labels") or {}).items()}
+        labels[HOST_LABEL] = CLUSTER_HOST
+        labels[MANIFEST_LABEL] = role
+        limits = _get(container, "resources", "limits") or {}
+        requests = _get(container, "resources", "requests") or {}
+        raw = {"pod": name, "role": role, "kind": self.kind, "node_selector": spec.get("nodeSelector") or {}, "restart": restart, "group_size": group_size,
+               "probes": {k: container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")},
+               "resources": {**requests, **limits}, "volumes": spec.get("volumes") or [],
+               "mounts": container.get("volumeMounts") or [], "host_ipc": bool(spec.get("hostIPC"))}
+        return Service(
+            name=name,
+            compose_file=self.source,
+            image=container.get("image"),
+            argv=argv,
+            environment=environment,
+            network_mode="host" if spec.get("hostNetwork") else None,
+            published_ports=[],
+            binds=self._binds(name, spec, container),
+            depends_on={},
+            healthcheck=_healthcheck(container.get("readinessProbe")),
+            labels=labels,
+            container_name=aliases[0] if aliases else None,
+            gpu_reservation=_gpus(f"{self.shown}/{name}", limits, environment, where),
+            raw=raw,
+            project="",
+            pid="host" if spec.get("hostPID") else None,
+            ipc="host" if spec.get("hostIPC") else None,
+        )
+
+    def _binds(self, pod: str, spec: dict, container: dict) -> list[BindMount]:
+        volumes = {v.get("name"): v for v in spec.get("volumes") or [] if isinstance(v, dict)}
+        binds = []
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount.get("name"))
+            target = mount.get("mountPath")
+            if volume is None or not isinstance(target, str):
+                raise ComposeError(f"{self.shown}: pod {pod}: volumeMount {mount.get('name')!r} names no volume")
+            if "configMap" in volume:
+                source = self._config_map_dir(volume["configMap"].get("name"), pod)
+            elif "hostPath" in volume:
+                source = Path(volume["hostPath"].get("path") or "/")
+            elif "persistentVolumeClaim" in volume:
+                source = Path("/persistentVolumeClaim") / str(volume["persistentVolumeClaim"].get("claimName"))
+            else:
+                continue  # emptyDir and the like: nothing plan reads from them
+            if mount.get("subPath"):
+                source = source / mount["subPath"]
+            binds.append(BindMount(source, target, bool(mount.get("readOnly"))))
+        return binds
+
+    def _config_map_dir(self, name: str, pod: str) -> Path:
+        if name not in self.config_maps:
+            raise ComposeError(f"{self.shown}: pod {pod} mounts ConfigMap {name}, which this manifest lacks")
+        if self._files is None:
+            self._files = Path(tempfile.mkdtemp(prefix="dsv41-plan-k8s-"))
+            atexit.register(shutil.rmtree, self._files, True)
+        folder = self._files / name
+        if not folder.exists():
+            folder.mkdir()
+            for key, value in (self.config_maps[name].get("data") or {}).items():
+                if "/" in key or key.startswith("."):
+                    raise ComposeError(f"{self.shown}: ConfigMap {name} has a key that is no file name: {key!r}")
+                (folder / key).write_text(str(value))
+        return folder
+
+
+def _healthcheck(probe: Any) -> dict | None:
+    """The readiness probe in the compose shape the healthcheck rule reads."""
+    get = _get(probe, "httpGet")
+    if isinstance(get, dict):
+        return {"test": ["CMD", "httpGet", f"http://127.0.0.1:{get.get('port')}{get.get('path', '/')}"]}
+    socket = _get(probe, "tcpSocket")
+    if isinstance(socket, dict):
+        return {"test": ["CMD", "tcpSocket", f"127.0.0.1:{socket.get('port')}"]}
+    command = _get(probe, "exec", "command")
+    if isinstance(command, list):
+        return {"test": ["CMD"] + [str(c) for c in command]}
+    return None
+
+
+def _gpus(pod: str, limits: dict, environment: dict[str, str], where: str) -> GpuReservation:
+    raw = limits.get(GPU_RESOURCE)
+    if raw is None:
+        return GpuReservation(False, (), "no nvidia.com/gpu limit")
+    try:
+        count = int(str(raw))
+    except ValueError:
+        raise ComposeError(f"{where}: {GPU_RESOURCE} must be a whole number, not {raw!r}") from None
+    ids = [f"{pod}#{i}" for i in range(count)]
+    how = f"{GPU_RESOURCE}: {count}"
+    visible = environment.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        picks = [p.strip() for p in visible.split(",") if p.strip()]
+        if any(not p.isdigit() or int(p) >= count for p in picks):
+            raise ComposeError(f"{where}: CUDA_VISIBLE_DEVICES={visible} names a GPU the pod does not get ({how})")
+        ids = [ids[int(p)] for p in picks]
+        how += " + CUDA_VISIBLE_DEVICES"
+    return GpuReservation(True, tuple(ids), how, (), count)

@@ -1,0 +1,112 @@
+"""The Kubernetes manifest reader on its own (no sglang): what a RoleBasedGroup's pods run,
+where they are addressed, what they get, and one line for what it cannot read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+from sglang_dsv41.tools.plan.compose import ComposeError
+from sglang_dsv41.tools.plan.k8s import is_manifest, load_manifests
+
+K8S = REPO_ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir())
+
+
+def _rbg(roles: str, api: str = "workloads.x-k8s.io/v1alpha2", kind: str = "RoleBasedGroup") -> str:
+    return textwrap.dedent(f"""\
+        apiVersion: {api}
+        kind: {kind}
+        metadata: {{name: g}}
+        spec:
+          roles:
+        """) + textwrap.indent(textwrap.dedent(roles), "    ")
+
+
+ROLES = """\
+- name: prefill
+  replicas: 2
+  standalonePattern:
+    template:
+      spec:
+        containers:
+          - name: s
+            command: [sglang, serve, --tp, "$(TP)", --port, "30010", --dist-init-addr, "$(RBG_LWP_LEADER_ADDRESS):5000"]
+            env: [{name: TP, value: "4"}, {name: CUDA_VISIBLE_DEVICES, value: "1,3"}]
+            resources: {limits: {nvidia.com/gpu: 4}}
+- name: router
+  dependencies: [prefill]
+  standalonePattern:
+    template:
+      spec:
+        containers: [{name: r, command: [python3, -m, sglang_router.launch_router]}]
+"""
+
+
+def test_the_shipped_overlays_are_what_plan_reads():
+    assert OVERLAYS == ["cp-instances", "pd-1node", "pd-2node"]
+    for name in OVERLAYS:
+        assert is_manifest(K8S / "overlays" / name)
+        project = load_manifests(K8S / "overlays" / name)
+        assert project.services, name
+
+
+def test_the_common_flags_are_the_compose_topologies_own():
+    assert (K8S / "base" / "sglang-common.yaml").read_text() == \
+        (REPO_ROOT / "deploy" / "b300-ds41" / "base" / "sglang-common.yaml").read_text()
+
+
+def test_replicas_names_variables_gpus_and_dependencies(tmp_path):
+    path = tmp_path / "rbg.yaml"
+    path.write_text(_rbg(ROLES))
+    project = load_manifests(path)
+    pods = {s.name: s for s in project.services}
+    assert sorted(pods) == ["prefill-0", "prefill-1", "router-0"]
+    first = pods["prefill-0"]
+    assert first.container_name == "g-prefill-0.s-g-prefill"  # the pod's DNS name in the group
+    assert first.argv == ["sglang", "serve", "--tp", "4", "--port", "30010",
+                          "--dist-init-addr", "g-prefill-0.s-g-prefill:5000"]
+    assert first.gpu_reservation.visible == ("rbg.yaml/prefill-0#1", "rbg.yaml/prefill-0#3")
+    assert first.gpu_reservation.count == 4
+    assert pods["router-0"].depends_on == {"prefill-0": "service_healthy", "prefill-1": "service_healthy"}
+
+
+def test_a_config_map_mounted_as_files_is_readable(tmp_path):
+    project = load_manifests(K8S / "overlays" / "pd-1node")
+    prefill = next(s for s in project.services if s.name == "prefill-0")
+    config = prefill.host_path("/etc/sglang-dsv41/sglang-common.yaml")
+    assert config is not None and "attention-backend: dsv4" in config.read_text()
+
+
+@pytest.mark.parametrize("text, reason", [
+    (_rbg(ROLES, kind="StatefulSet", api="apps/v1"), "StatefulSet g (apiVersion apps/v1) is not a kind plan reads"),
+    (_rbg(ROLES, api="workloads.x-k8s.io/v1alpha1"), "RoleBasedGroup g (apiVersion workloads.x-k8s.io/v1alpha1)"),
+    (_rbg(ROLES.replace("replicas: 2", "replicas: two")), "replicas must be a whole number"),
+    (_rbg(ROLES.replace("dependencies: [prefill]", "dependencies: [decode]")), "depends on role decode"),
+    (_rbg(ROLES.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 1")), "names a GPU the pod does not get"),
+    (_rbg(ROLES.replace("standalonePattern", "customComponentsPattern", 1)), "exactly one of"),
+    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "no workload"),
+    ("apiVersion: v1\nkind: [\n", "not valid YAML"),
+])
+def test_what_the_reader_cannot_read_is_one_line(tmp_path, text, reason):
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(ComposeError, match=None) as info:
+        load_manifests(path)
+    message = str(info.value)
+    assert reason in message and "\n" not in message
+
+
+def test_the_command_line_answers_an_unknown_kind_with_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(_rbg(ROLES, api="workloads.x-k8s.io/v1alpha1"))
+    done = subprocess.run([sys.executable, "-m", "sglang_dsv41.tools.cli", "plan", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is not a kind plan reads" in lines[0] and "Traceback" not in done.stderr
