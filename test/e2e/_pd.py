@@ -41,7 +41,10 @@ PREFILL_ENV = {
 }
 # The decode's default retraction backup is a host pool registered with
 # cudaHostRegister; a plain CPU tensor is sglang's own alternative.
-DECODE_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+# A "Decode batch" line at every decode step (40 by default): the decode's own
+# log says whether it served a request.
+DECODE_ARGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor", "--decode-log-interval", "1")
+DECODE_STEP_LINE = "Decode batch"
 
 # Mooncake's engine logs "... Throughput: <value> <unit>" lines while it moves bytes.
 MOONCAKE_THROUGHPUT = re.compile(r"Throughput: (?P<value>[0-9.]+) ?(?P<unit>[KMG]?B)/s")
@@ -49,7 +52,7 @@ MOONCAKE_THROUGHPUT = re.compile(r"Throughput: (?P<value>[0-9.]+) ?(?P<unit>[KMG
 
 def pd_server(role: str, model: Path, workdir: Path, *, plugin: bool = True,
               bootstrap_port: int | None = None, port: int | None = None,
-              env: dict[str, str] | None = None) -> Server:
+              env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Server:
     args = ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "mooncake"]
     full_env = dict(PD_ENV)
     if role == "prefill":
@@ -59,13 +62,13 @@ def pd_server(role: str, model: Path, workdir: Path, *, plugin: bool = True,
         args += DECODE_ARGS
     full_env.update(env or {})
     return Server(model, workdir, plugin=plugin, metrics=True, port=port,
-                  extra_args=tuple(args), extra_env=full_env)
+                  extra_args=(*args, *extra_args), extra_env=full_env)
 
 
 class Router:
     """``python -m sglang_router.launch_router --pd-disaggregation`` on 127.0.0.1."""
 
-    def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, workdir: Path,
+    def __init__(self, prefill: Server, bootstrap_port: int, decodes: list[Server], workdir: Path,
                  *, extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -74,7 +77,8 @@ class Router:
         workdir.mkdir(parents=True, exist_ok=True)
         self.command = [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", prefill.base, str(bootstrap_port), "--decode", decode.base,
+            "--prefill", prefill.base, str(bootstrap_port),
+            *(word for decode in decodes for word in ("--decode", decode.base)),
             "--host", "127.0.0.1", "--port", str(self.port),
             # Its own metrics port: the default 29000 is one per machine.
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),

@@ -1,11 +1,15 @@
 """A real prefill/decode deployment with the plugin, behind sglang's router, and its faults.
 
-One prefill and one decode ``sglang serve`` (the tiny Llama on the CPU, the KV
+One prefill and two decode ``sglang serve`` (the tiny Llama on the CPU, the KV
 over Mooncake's TCP transport on 127.0.0.1: see ``_pd.py`` for why each CPU
-setting is there) and sglang's router in PD mode, started with the fault
-settings of the shipped ``deploy/b300-ds41/pd-1p1d.yml`` router. A single
-server with the plugin gives the reference tokens. The servers are shared by
-every case; the fault cases run last, in file order, and leave a restarted pair.
+setting is there) and sglang's router in PD mode in front of all three, started
+with the fault settings of the shipped ``deploy/b300-ds41/pd-1p1d.yml`` router
+(round robin over the decodes, so each is used). The stock comparison is a
+single server with the plugin filtered out: its greedy tokens are the
+reference, so equal tokens say that neither the plugin nor the PD path changed
+one. A third decode with another page size is never routed to: it is the
+refused pairing. Every server starts at once and is shared by every case; the
+fault cases run last, in file order, and leave a restarted deployment.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import pytest
 import requests
 import yaml
 
-from _e2e_server import Server, free_port, start_healthy, tiny_model  # noqa: F401
+from _e2e_server import PNG_1x1, Server, free_port, start_healthy, tiny_model  # noqa: F401
 from conftest import REPO_ROOT
-from _pd import MOONCAKE_THROUGHPUT, Router, greedy, metric_total, pd_server
+from _pd import DECODE_STEP_LINE, MOONCAKE_THROUGHPUT, Router, greedy, metric_total, pd_server
 from sglang_dsv41.plugin.spec import Role
 from sglang_dsv41.plugin.table import owed_to
 
@@ -43,6 +47,8 @@ _TOPOLOGY_FLAGS = {"--prefill": 2, "--decode": 1, "--host": 1, "--port": 1, "--p
 # Gauges a server reports that must fall back to zero once no request is left.
 PREFILL_STATE = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",
                  "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:kv_used_tokens")
+# The router spreads requests over both decodes; the tests say which one they mean.
+TEST_ROUTER_FLAGS = ("--decode-policy", "round_robin")
 DECODE_STATE = ("sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
                 "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:kv_used_tokens")
 
@@ -68,7 +74,10 @@ class Deployment:
         self.bootstrap_port = free_port()
         self.prefill = pd_server("prefill", model, tmp / "prefill", bootstrap_port=self.bootstrap_port)
         self.decode = pd_server("decode", model, tmp / "decode")
-        self.single = Server(model, tmp / "single")
+        self.decode2 = pd_server("decode", model, tmp / "decode2")
+        # Page size 16 against the prefill's 1: sglang refuses the pair at the bootstrap.
+        self.refused = pd_server("decode", model, tmp / "refused", extra_args=("--page-size", "16"))
+        self.single = Server(model, tmp / "single", plugin=False)
         self.router: Router | None = None
         self.startup_s: dict[str, float] = {}
         self.retired: list[Server] = []
@@ -88,23 +97,24 @@ class Deployment:
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
     dep = Deployment(tiny_model, tmp_path_factory.mktemp("pd"))
-    servers = {"prefill": dep.prefill, "decode": dep.decode, "single": dep.single}
+    servers = {"prefill": dep.prefill, "decode": dep.decode, "decode2": dep.decode2,
+               "refused decode": dep.refused, "stock single": dep.single}
     try:
         for srv in servers.values():
             srv.start()
         for name, srv in servers.items():
             srv.wait_healthy()
             dep.startup_s[name] = srv.healthy_after_s
-        for srv in (dep.prefill, dep.decode):
+        for srv in (dep.prefill, dep.decode, dep.decode2):
             srv.wait_for_roles(EXPECTED_ROLES, timeout=300)
-        dep.router = Router(dep.prefill, dep.bootstrap_port, dep.decode, dep.tmp / "router",
-                            extra_args=tuple(shipped_router_fault_flags())).start()
+        dep.router = Router(dep.prefill, dep.bootstrap_port, [dep.decode, dep.decode2], dep.tmp / "router",
+                            extra_args=(*shipped_router_fault_flags(), *TEST_ROUTER_FLAGS)).start()
         wait_served(dep.router, READMITTED_WITHIN_S * 4)
         yield dep
     finally:
         if dep.router is not None:
             dep.router.stop()
-        for srv in [dep.prefill, dep.decode, dep.single, *dep.retired]:
+        for srv in [dep.prefill, dep.decode, dep.decode2, dep.refused, dep.single, *dep.retired]:
             srv.stop()
         print("\nPD start-up, /health after: "
               + ", ".join(f"{k} {v:.0f} s" for k, v in dep.startup_s.items() if v is not None))
@@ -144,17 +154,23 @@ def settle(server: Server, gauges: tuple[str, ...], timeout: float = 30) -> dict
         time.sleep(1)
 
 
-def single_reference(pd, max_new_tokens: int) -> list[int]:
-    resp = pd.single.post("/generate", greedy(PROMPT, max_new_tokens))
+def single_reference(pd, max_new_tokens: int, payload: dict | None = None) -> list[int]:
+    """The stock single server's greedy tokens."""
+    resp = pd.single.post("/generate", payload or greedy(PROMPT, max_new_tokens))
     assert resp.status_code == 200, resp.text
     return resp.json()["output_ids"]
+
+
+def decode_steps(server: Server) -> int:
+    """Decode steps the server has logged (one line per step, see ``_pd.DECODE_ARGS``)."""
+    return server.log().count(DECODE_STEP_LINE)
 
 
 # --------------------------------------------------------------------------- the healthy pair
 
 
 def test_every_role_prints_its_status_line_on_both_servers(pd):
-    for server in (pd.prefill, pd.decode):
+    for server in (pd.prefill, pd.decode, pd.decode2):
         lines = server.status_lines()
         assert dict(Counter(line.role for line in lines)) == EXPECTED_ROLES, server.log_tail()
         for line in lines:
@@ -186,6 +202,52 @@ def test_the_kv_check_fails_when_the_transfer_is_cut(pd):
         assert_kv_moved(before, kv_moved(pd.prefill), requests_sent=1)
 
 
+def test_a_refused_pairing_fails_its_request_and_neither_server_goes_down(pd):
+    """A decode with page size 16 asks the prefill's real bootstrap server to pair.
+
+    sglang 0.5.23 refuses the pair by raising out of the decode scheduler's loop,
+    which takes that decode down at its first request (seen with the plugin's
+    PDH-PAIRING alone). With PDH-REFUSAL the request fails with the plugin's one
+    line naming the field, counted, and the decode keeps serving. (The plugin's
+    DSpark rule itself needs a DeepSeek-V4 KV layout, out of reach on the CPU; the
+    real bootstrap path of that rule is test/pd_handshake's.) Only the decode's
+    half is sent, so the prefill holds nothing for it.
+    """
+    payload = dict(greedy(PROMPT, 8), bootstrap_host="127.0.0.1", bootstrap_port=pd.bootstrap_port,
+                   bootstrap_room=random.getrandbits(63))
+    started = time.monotonic()
+    resp = pd.refused.post("/generate", payload, timeout=120)
+    print(f"\nrefused pairing: client answered {resp.status_code} after {time.monotonic() - started:.1f} s")
+    assert resp.status_code != 200, resp.text
+    refusal = "[sglang-dsv41] pd-handshake: refused to pair with the prefill at"
+    assert refusal in resp.text and "page_size=16" in resp.text, resp.text
+    # The plugin's own line (sglang then logs the failed request with its reason too).
+    lines = [line for line in pd.refused.log().splitlines() if f"] {refusal}" in line]
+    assert len(lines) == 1 and "page_size" in lines[0], lines
+    assert metric_total(pd.refused, "sglang_dsv41_pd_pairings_refused_total") == 1
+    for server in (pd.refused, pd.prefill):
+        assert server.proc.poll() is None
+        assert requests.get(f"{server.base}/health", timeout=30).status_code == 200
+    assert settle(pd.refused, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
+    assert settle(pd.prefill, PREFILL_STATE) == dict.fromkeys(PREFILL_STATE, 0)
+    pd.refused.stop()  # its part is done: the CPU goes to the other cases
+
+
+def test_override_with_media_through_the_router_never_reaches_the_servers(pd):
+    """A single server with the plugin refuses overrides with media (400,
+    test_e2e_single.py). Through sglang-router 0.3.2 there is nothing to refuse:
+    its /generate request type has no ``positional_embed_overrides`` and drops
+    it, so the pair serves the media-only request: the stock single server's
+    tokens for the request without the overrides. A router that forwards the
+    field fails this test; the refusal must then be asserted here."""
+    media_only = {"text": "a picture <emb> of a fox", "image_data": PNG_1x1,
+                  "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    with_overrides = dict(media_only, positional_embed_overrides={"embeds": [[0.25] * 64], "positions": [1]})
+    resp = pd.router.generate(with_overrides)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_ids"] == single_reference(pd, 4, media_only)
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -205,53 +267,62 @@ def timed_generate(router: Router, max_new_tokens: int):
         return "no answer", repr(exc)[:300], time.monotonic()
 
 
-def wait_for_gauge(server: Server, gauge: str, timeout: float = 60) -> None:
+def wait_for_gauge(servers: list[Server], gauge: str, timeout: float = 60) -> Server:
+    """The first of ``servers`` whose gauge rises."""
     deadline = time.monotonic() + timeout
-    while metric_total(server, gauge) < 1:
-        assert time.monotonic() < deadline, f"{gauge} never rose on {server.base}"
+    while True:
+        for server in servers:
+            if metric_total(server, gauge) >= 1:
+                return server
+        assert time.monotonic() < deadline, f"{gauge} never rose on {[s.base for s in servers]}"
         time.sleep(0.2)
 
 
-def test_decode_killed_mid_request_fails_fast_and_leaves_nothing_on_the_prefill(pd):
+def test_decode_killed_mid_request_fails_fast_and_a_healthy_decode_serves_the_next(pd):
     pending = in_background(lambda: timed_generate(pd.router, 200))
-    wait_for_gauge(pd.decode, "sglang:num_running_reqs")  # decoding its 200 tokens
+    victim = wait_for_gauge([pd.decode, pd.decode2], "sglang:num_running_reqs")  # decoding its 200 tokens
+    survivor = pd.decode2 if victim is pd.decode else pd.decode
+    if victim is pd.decode2:  # the restart case below restarts ``decode``
+        pd.decode, pd.decode2 = pd.decode2, pd.decode
     killed = time.monotonic()
-    pd.decode.stop(graceful=False)
+    victim.stop(graceful=False)
     status, text, answered = pending.result(timeout=600)
     took = answered - killed
     print(f"\ndecode killed mid-request: client answered {status} after {took:.1f} s")
     assert status != 200, text
     assert took < ERROR_WITHIN_S, (status, text, took)
-    # A request sent while no decode is left fails fast too.
-    status, text, answered = timed_generate(pd.router, 8)
-    assert status != 200 and answered - killed < 2 * ERROR_WITHIN_S, (status, text)
+    # Later requests go to the surviving decode, with the same tokens.
+    before = decode_steps(survivor)
+    wait_served(pd.router, ERROR_WITHIN_S)
+    print(f"decode killed: the healthy decode served a request {time.monotonic() - killed:.1f} s after the kill")
+    resp = pd.router.generate(greedy(PROMPT, 8))
+    assert resp.status_code == 200 and resp.json()["output_ids"] == single_reference(pd, 8), resp.text
+    assert victim.proc.poll() is not None and decode_steps(survivor) > before
     assert pd.prefill.proc.poll() is None
     assert settle(pd.prefill, PREFILL_STATE) == dict.fromkeys(PREFILL_STATE, 0)
-    # The router's own count of what it refused fast (the shipped circuit breaker).
-    refused = router_metric(pd.router, 'smg_http_responses_total{status_code="503",error_code="server_selection_failed"}')
-    assert refused >= 1
-
-
-def router_metric(router: Router, series: str) -> float:
-    text = requests.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series))
+    assert settle(survivor, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
 
 
 def test_restarted_decode_is_used_again(pd):
     decode = pd.restart("decode")
-    readmitted = wait_served(pd.router, READMITTED_WITHIN_S)
+    deadline = time.monotonic() + READMITTED_WITHIN_S
+    while decode_steps(decode) == 0:  # round robin: it gets every other request once admitted
+        assert time.monotonic() < deadline, "the router never sent a request to the restarted decode"
+        resp = pd.router.generate(greedy(PROMPT, 8), timeout=120)
+        assert resp.status_code == 200 and resp.json()["output_ids"] == single_reference(pd, 8), resp.text
+    readmitted = READMITTED_WITHIN_S - (deadline - time.monotonic())
     print(f"\nrestarted decode: served through the router {readmitted:.1f} s after its /health")
-    resp = pd.router.generate(greedy(PROMPT, 8))
-    assert resp.status_code == 200 and resp.json()["output_ids"] == single_reference(pd, 8), resp.text
     assert [line.role for line in decode.status_lines()].count(Role.SCHEDULER.value) == 1
+    for server in (decode, pd.decode2):
+        assert settle(server, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
 
 
-def test_prefill_killed_mid_request_fails_and_leaves_nothing_on_the_decode(pd):
+def test_prefill_killed_mid_request_fails_and_leaves_nothing_on_the_decodes(pd):
     """The prefill is stopped before it answers, so the request is held by it, then killed."""
     os.killpg(pd.prefill.pid, signal.SIGSTOP)
     try:
         pending = in_background(lambda: timed_generate(pd.router, 8))
-        time.sleep(3)  # the router has sent both halves; the decode holds its half
+        time.sleep(3)  # the router has sent both halves; a decode holds its half
     finally:
         killed = time.monotonic()
         pd.prefill.stop(graceful=False)  # SIGKILL reaches stopped processes too
@@ -260,10 +331,12 @@ def test_prefill_killed_mid_request_fails_and_leaves_nothing_on_the_decode(pd):
     print(f"\nprefill killed mid-request: client answered {status} after {took:.1f} s")
     assert status != 200, text
     assert took < ERROR_WITHIN_S, (status, text, took)
-    assert pd.decode.proc.poll() is None
-    assert requests.get(f"{pd.decode.base}/health", timeout=30).status_code == 200
-    assert settle(pd.decode, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
+    for decode in (pd.decode, pd.decode2):
+        assert decode.proc.poll() is None
+        assert requests.get(f"{decode.base}/health", timeout=30).status_code == 200
+        assert settle(decode, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
     pd.restart("prefill")
     wait_served(pd.router, READMITTED_WITHIN_S)
     resp = pd.router.generate(greedy(PROMPT, 8))
     assert resp.status_code == 200 and resp.json()["output_ids"] == single_reference(pd, 8), resp.text
+    assert settle(pd.prefill, PREFILL_STATE) == dict.fromkeys(PREFILL_STATE, 0)
