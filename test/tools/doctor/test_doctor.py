@@ -72,4 +72,4 @@ def test_doctor_checks_kv_staging_settings_when_they_are_set():
     assert "[warn] SGLANG_DSV41_KV_STAGING=peer: the native writer does not build here (/nonexistent/cc" \
         in no_compiler.stdout
     wrong = _run({"SGLANG_DSV41_KV_STAGING": "peers"})
-    assert wrong.returncode == 1 and "use 1 (slot staging), peer (peer writes) or 0 / unset (off)" in wrong.stdout
+    assert wrong.returncode == 1 and "'peers': use peer (peer writes) or 0 / unset (off)" in wrong.stdout

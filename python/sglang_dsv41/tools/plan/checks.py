@@ -738,6 +738,11 @@ def plugin_filtered_out(environment: dict[str, str]) -> str | None:
             return (f"SGLANG_PLUGINS={allowed} leaves out the {PLUGIN_NAME} plugin, so this container would run "
                     f"stock sglang without the DeepSeek-V4.1 fixes; add {PLUGIN_NAME} to the list or remove it")
     return None
+
+
+# --------------------------------------------------------------------------- compose-level checks
+
+
 def project_host(project: Project) -> str:
     """The host whose Docker daemon runs a compose file: the ``sglang-dsv41.host``
     label its services carry (``local`` without one). One ``docker compose up``
@@ -758,15 +763,10 @@ def check_project_hosts(projects: list[Project]) -> list[Problem]:
     return problems
 
 
-
-
-# --------------------------------------------------------------------------- compose-level checks
-    problems += check_project_hosts(projects)
-
-
 def check_projects(projects: list[Project], services: list[Service], options: PlanOptions) -> list[Problem]:
     """What compose itself would refuse or get wrong, before any resolution."""
     problems: list[Problem] = []
+    problems += check_project_hosts(projects)
     problems += check_depends_on(projects)
     problems += check_names(projects)
     problems += check_host_network_names(projects, services)
