@@ -593,7 +593,7 @@ def run_dsv41_sender(args) -> None:
                     return rc
                 t1 = time.perf_counter()
                 for bound, src_pages, dst_pages, blocks in last:
-                    if bound is None or (bound.narrow and args.narrow_rows_direct):
+                    if bound is None:
                         rc = peer_path(blocks)
                         if rc != 0:
                             held.discard()
@@ -827,8 +827,6 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     common += ["--peer-launcher", args.peer_launcher]
     if args.no_peer:
         common.append("--no-peer")
-    if args.narrow_rows_direct:
-        common.append("--narrow-rows-direct")
     if args.peer_min_blocks is not None:
         common += ["--peer-min-blocks", str(args.peer_min_blocks)]
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
@@ -878,9 +876,6 @@ def main() -> None:
     p.add_argument("--case", dest="cases", action="append", default=None,
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
-    p.add_argument("--narrow-rows-direct", action="store_true",
-                   help="held: send rows narrower than the GPU copy's 16 bytes (DSpark's request row) as "
-                        "blocks at once, as before they joined the held write (for comparison)")
     p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
                    help="dsv41, GPU: the batched copy's backend of the peer paths "
                    "(default: triton when importable)")

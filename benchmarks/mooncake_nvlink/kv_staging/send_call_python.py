@@ -63,7 +63,7 @@ def _build(page_path: bool):
         def write(self, target, srcs, dsts, lengths):
             pass
 
-        def write_pages(self, target, copies, narrow=()):
+        def write_pages(self, target, copies):
             pass
 
         def close(self, opened):

@@ -53,7 +53,7 @@ class _IdentityTransport:
     def write(self, target, srcs, dsts, lengths):
         self.writes.append(list(zip(srcs.tolist(), dsts.tolist(), lengths.tolist())))
 
-    def write_pages(self, target, copies, narrow=()):  # recorded as the runs upstream's block list would hold
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
         if getattr(self, "fail", False):
             raise RuntimeError("injected peer write failure")
         self.writes.append(runs_of_paged(copies))

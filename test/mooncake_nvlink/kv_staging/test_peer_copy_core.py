@@ -58,8 +58,8 @@ class _Recorder:
     def write(self, target, srcs, dsts, lengths):
         self.writes.append((srcs.tolist(), dsts.tolist(), lengths.tolist()))
 
-    def write_pages(self, target, copies, narrow=()):  # recorded as the runs upstream's block list would hold
-        self.writes.append(tuple(map(list, zip(*runs_of_paged([*copies, *narrow])))))
+    def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
+        self.writes.append(tuple(map(list, zip(*runs_of_paged(copies)))))
 
     def close(self, opened):
         self.closed.append(list(opened))
@@ -315,7 +315,7 @@ def test_a_held_page_outside_its_buffers_fails_the_whole_flush_unwritten(src_pag
 
 def test_a_failed_held_write_raises_and_releases_its_map():
     class Failing(_Recorder):
-        def write_pages(self, target, copies, narrow=()):
+        def write_pages(self, target, copies):
             raise OSError("device lost")
 
     rec = Failing()

@@ -138,7 +138,7 @@ def test_the_stand_in_reports_sizes_as_the_driver_does():
     assert (base.value, size.value) == (ptr.value, 3 * MiB)
 
 
-# --- rows narrower than the GPU copy's width: in a held write, else the direct way
+# --- rows narrower than the GPU copy's width go the direct way
 
 
 class _WideOnly:
@@ -178,43 +178,3 @@ def test_a_call_of_8_byte_rows_is_left_to_the_direct_way_and_a_16_byte_one_is_ta
     wide_blocks = [(0x2000_0000 + 64 * k, 0x1000_0000 + 64 * k, 64) for k in range(16)]
     out = send_peer_batch(wide_blocks, target, 8, lambda blocks: pytest.fail("went direct"))
     assert out.fallback is None and transport.writes == [16]
-
-
-class _WideWithRuntimeCopies(_WideOnly):
-    """As the CUDA transport with the runtime found: narrow rows may join a held write."""
-
-    takes_narrow_rows = True
-
-    def __init__(self):
-        super().__init__()
-        self.paged = []
-
-    def write_pages(self, target, copies, narrow=()):
-        self.paged.append(([c.entries[:, 2].tolist() for c in copies], [c.entries[:, 2].tolist() for c in narrow]))
-
-
-def test_a_held_write_takes_the_8_byte_row_in_its_one_batch_and_a_lone_one_goes_direct():
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
-        PAGED_NARROW_ROWS,
-        PagedLayout,
-        PeerTarget,
-        PeerWrites,
-        bind_layout,
-        send_paged_batch,
-    )
-
-    peer = _map((0x1000_0000, MiB, 0, _handle(1)))
-    transport = _WideWithRuntimeCopies()
-    target = PeerTarget(peer, [0x7000_0000], transport, [])
-    device = lambda addr: MiB  # noqa: E731
-    row, why = bind_layout(PagedLayout.of([(0x2000_0000, 0x1000_0000, 8)]), target, device)
-    assert why is None and row.narrow and row.word == 8
-    kv, why = bind_layout(PagedLayout.of([(0x2000_0000, 0x1000_0000, 4096)]), target, device)
-    assert why is None and not kv.narrow
-    held = PeerWrites()
-    assert held.add_pages(kv, [1, 2], [3, 4]) is None and held.add_pages(row, [5], [6]) is None
-    held.flush()
-    assert transport.paged == [([[4096]], [[8]])]  # one batch: the kernel's copies and the row
-    # written alone, the row costs a launch and a synchronize for 8 bytes: the direct way
-    assert send_paged_batch(row, [5], [6], 1).fallback == PAGED_NARROW_ROWS and len(transport.paged) == 1
-

@@ -44,9 +44,8 @@ class BatchCopy(Protocol):
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
 
-    def copy_pages(self, copies: "Sequence[PagedCopy]", narrow: "Sequence[PagedCopy]" = ()) -> None:
-        """Copy every page pair of every ``PagedCopy``; synchronous, one batch. ``narrow``: copies
-        whose rows are narrower than the kernel's access, written in the same batch another way."""
+    def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
+        """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
 
 
 def _as_uint64(values, name: str) -> np.ndarray:
@@ -330,8 +329,8 @@ class HostBatchCopy:
             if length:
                 ctypes.memmove(dst, src, length)
 
-    def copy_pages(self, copies: Sequence[PagedCopy], narrow: Sequence[PagedCopy] = ()) -> None:
-        self.copy(*merged_page_runs([*copies, *narrow]))
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+        self.copy(*merged_page_runs(copies))
 
 
 # --- CUDA ---------------------------------------------------------------------
@@ -824,79 +823,39 @@ class CudaBatchCopy:
             as_batch(s, d, n)
             self._on_lane(lambda lane: self._copy_memcpy(lane, s, d, n, started), f"{len(n)} entries")
 
-    @property
-    def takes_narrow_rows(self) -> bool:
-        """Whether ``copy_pages`` can write rows narrower than 16 bytes (one runtime copy per run)."""
-        return self._runtime is not None
-
-    def copy_pages(self, copies: Sequence[PagedCopy], narrow: Sequence[PagedCopy] = ()) -> None:
-        """Every page pair of ``copies`` in one launch of a paged kernel (no block list).
-
-        ``narrow``: copies the kernel's 16-byte access cannot take (DSpark's 8-byte
-        request row): one ``cudaMemcpyAsync`` per page run, queued on the same stream
-        before the kernel, so one synchronize covers both and nothing is compiled.
-        """
+    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
+        """Every page pair of ``copies`` in one launch of a paged kernel (no block list)."""
         started = time.perf_counter()
-        if not copies and not narrow:
+        if not copies:
             return
-        narrow_runs = merged_page_runs(narrow) if narrow else None  # refuses pages outside first
-        if narrow_runs is not None and self._runtime is None:
-            raise BatchCopyError("rows narrower than 16 bytes need the CUDA runtime's copy, not found")
-        if self._native is not None and copies and self._write_native(copies, narrow_runs, started):
+        if self._native is not None and self._write_native(copies):
             return
         if self._kernels is None and self._param is None:
             self.copy(*expand_paged(copies))
-            if narrow_runs is not None:
-                self._on_lane(lambda lane: self._copy_memcpy(lane, *narrow_runs, started), "narrow rows")
             return
+        self._on_lane(lambda lane: self._copy_paged(lane, copies, started), "paged copies")
 
-        def work(lane):
-            if narrow_runs is not None:
-                self._copy_memcpy(lane, *narrow_runs, started)
-            if copies:
-                self._copy_paged(lane, copies, started)
-
-        self._on_lane(work, "paged copies")
-
-    def _write_native(self, copies: Sequence[PagedCopy], narrow_runs, started: float) -> bool:
-        """The whole write in one native call; False (nothing of ``copies`` written) when it is
-        not for this one. ``narrow_runs`` are queued first on the same stream."""
+    def _write_native(self, copies: Sequence[PagedCopy]) -> bool:
+        """The whole write in one native call; False (nothing written) when it is not for this one."""
         plan = paged_plan(copies, PAGED_CHUNK_BYTES)
         if plan.word != 16 or 8 * plan.words > self._param.max_bytes:
             return False
-        if not plan.programs and narrow_runs is None:
+        if not plan.programs:
             return True
         pages = []
         for c in copies:
             pages += (c.src_pages, c.dst_pages)
         kernels, threads, context, driver = self._native_args
-        lane, status = None, None
+        lane = None
         try:
             lane = self._take_lane()
-            if narrow_runs is not None:
-                previous = self._context.enter()
-                try:
-                    self._copy_memcpy(lane, *narrow_runs, started)
-                finally:
-                    self._context.leave(previous)
-            if not plan.programs:
-                self._sync(lane)
-                return True
             status, detail = self._native.write_pages(
                 plan.head, tuple(pages), plan.array_limits, lane.host_ptr, lane.capacity, plan.words, kernels,
                 plan.programs, threads, lane.stream_handle, context, driver)
-        except BatchCopyError:
-            raise
         except Exception as exc:  # a lane that cannot be made, arguments the module refuses
             raise BatchCopyError(f"paged write on cuda:{self.device} failed: {exc}") from exc
         finally:
             if lane is not None:
-                if narrow_runs is not None and status != native.WRITTEN:  # nothing queued outlives the call
-                    previous = self._context.enter()
-                    try:
-                        self._sync(lane)
-                    finally:
-                        self._context.leave(previous)
                 self._give_back_lane(lane)
         if status == native.WRITTEN:
             self.last_submit_s = None

@@ -230,13 +230,8 @@ class PeerTransport(Protocol):
     def write(self, target: PeerTarget, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """One batch from local sources to translated destinations; returns when it landed."""
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], narrow: Sequence[PagedCopy] = ()) -> None:
-        """Paged copies (destinations translated) as one batch; returns when it landed.
-        ``narrow``: copies with rows narrower than ``min_word``, where ``takes_narrow_rows``."""
-
-    @property
-    def takes_narrow_rows(self) -> bool:
-        """Whether rows narrower than ``min_word`` can join a held write (``write_pages(narrow=)``)."""
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        """Paged copies (destinations translated) as one batch; returns when it landed."""
 
     def close(self, opened: Sequence[bytes]) -> None:
         """Give back mappings ``open`` made (reference counted per handle)."""
@@ -374,12 +369,8 @@ class CudaIpcTransport:
     def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
         self.copier.copy(srcs, dsts, lengths)
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], narrow: Sequence[PagedCopy] = ()) -> None:
-        self.copier.copy_pages(copies, narrow)  # every mapping is local memory: one launch for all targets
-
-    @property
-    def takes_narrow_rows(self) -> bool:
-        return bool(getattr(self.copier, "takes_narrow_rows", False))
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -499,10 +490,8 @@ class HostCmaTransport:
                     done_in_entry += wrote
                     wrote = 0
 
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy], narrow: Sequence[PagedCopy] = ()) -> None:
-        self.write(target, *expand_paged([*copies, *narrow]))
-
-    takes_narrow_rows = True  # any width: min_word is 1
+    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
+        self.write(target, *expand_paged(copies))
 
     def close(self, opened: Sequence[bytes]) -> None:
         with self._lock:
@@ -601,7 +590,6 @@ class BoundLayout:
     word: int  # the widest access every address and page size allows
     max_item: int
     page_bytes: int  # bytes one page pair moves over every entry
-    narrow: bool = False  # word below the transport's: only a held write takes it (a runtime copy)
 
 
 def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) -> tuple[Optional[BoundLayout], Optional[str]]:
@@ -628,11 +616,10 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     for e in entries:
         bits |= e[0] | e[1] | e[2]
     word = word_of(bits)
-    narrow = word < target.transport.min_word
-    if narrow and not getattr(target.transport, "takes_narrow_rows", False):
+    if word < target.transport.min_word:
         return None, PAGED_NARROW_ROWS
     return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows), word,
-                       max(e[2] for e in entries), sum(e[2] for e in entries), narrow), None
+                       max(e[2] for e in entries), sum(e[2] for e in entries)), None
 
 
 _ADDRESS_CEILING = 1 << 62
@@ -756,8 +743,6 @@ def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) 
     pages outside the buffers (refused by the copy before it writes); raises
     when the copy failed (the request's transfer failure).
     """
-    if bound.narrow:  # written alone it would cost what the engine's write does: direct
-        return PeerOutcome(-1, PAGED_NARROW_ROWS)
     copy, why_not = paged_call(bound, src_pages, dst_pages)
     if copy is None:
         return PeerOutcome(-1, why_not)
@@ -789,7 +774,7 @@ class PeerWrites:
     """
 
     def __init__(self):
-        self._copies: list[tuple[PeerTarget, PagedCopy, bool]] = []  # (target, copy, narrow rows)
+        self._copies: list[tuple[PeerTarget, PagedCopy]] = []
         self._held_open: dict[int, PeerTarget] = {}  # targets acquired for what is held
         self.calls = 0
         self.nbytes = 0
@@ -819,7 +804,7 @@ class PeerWrites:
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies, as int64 (the launch
         # table's type: the flush then writes them without converting).
-        self._copies.append((target, _copy_of(bound, p.astype(np.int64), d.astype(np.int64)), bound.narrow))
+        self._copies.append((target, _copy_of(bound, p.astype(np.int64), d.astype(np.int64))))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None
@@ -831,8 +816,7 @@ class PeerWrites:
         nbytes, self.calls, self.nbytes = self.nbytes, 0, 0
         try:
             for target in opened.values():  # one batch per decode map (a request has one)
-                target.transport.write_pages(target, [c for t, c, n in held if t is target and not n],
-                                             [c for t, c, n in held if t is target and n])
+                target.transport.write_pages(target, [c for t, c in held if t is target])
         finally:
             for target in opened.values():
                 target.release()
