@@ -1,34 +1,12 @@
 """The plugin's Prometheus series (``sglang_dsv41_*``), exported through sglang's own ``/metrics``.
 
-sglang 0.5.23 runs ``prometheus_client`` in multiprocess mode when the server
-has ``--enable-metrics``: the launcher sets ``PROMETHEUS_MULTIPROC_DIR`` before
-it spawns any process, every process writes its values into a per-process file
-there, and the HTTP server's ``/metrics`` reads all the files through a
-``MultiProcessCollector``. Series created in any role of ours (scheduler,
-tokenizer, detokenizer...) therefore show on that one endpoint, summed over
-processes for counters. The launcher is the exception: sglang imports
-``prometheus_client`` there before it sets the directory, so nothing the
-launcher counts can reach ``/metrics``. What the launcher decides (the launch
-guard's verdict) and its own patch count travel to the schedulers on the
-pickled server arguments and are published there.
+Hooks call the ``count_*`` functions: with metrics off a call returns after one
+flag check; with metrics on it adds to the calling thread's tally, which a
+flusher thread exports every ``FLUSH_INTERVAL_S``. ``configure`` decides once per
+process, and ``prometheus_client`` is imported only once sglang's multiprocess
+directory is set. Never imports sglang.
 
-Cost on the hot paths: an increment is a check of one module flag and an
-update of this thread's own tally (no lock); a daemon thread per process
-copies the totals into ``prometheus_client`` once per ``FLUSH_INTERVAL_S`` (a
-``prometheus_client`` increment in multiprocess mode is a locked write to a
-memory-mapped file, several times the cost). With metrics off every call
-returns after the flag check. ``benchmarks/metrics/plugin_metrics_overhead.py``
-measures both.
-
-The decision is taken once per process by ``configure`` (the activation hooks
-call it with the server's ``--enable-metrics`` when the process builds its
-first sglang object). Counts made before that are kept and exported once the
-decision is "on", dropped when it is "off".
-``prometheus_client`` is imported only after the directory is known to be set:
-importing it earlier would fix its value class to in-process values for the
-whole process, sglang's own series included.
-
-Never imports sglang.
+Design: docs/design/metrics.md.
 """
 
 from __future__ import annotations

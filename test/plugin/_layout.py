@@ -13,6 +13,8 @@ from pathlib import Path
 PACKAGE = "sglang_dsv41"
 SHARED = ("plugin", "metrics", "loader", "worker_app")  # machinery every feature may use
 TOOLS = "tools"
+# Longer than this, a docstring's substance belongs in a design note (docs/design/).
+DOCSTRING_MAX_LINES = 15
 # Feature package -> the other features it may import (plain modules only, never their hooks).
 FEATURE_IMPORTS = {
     "activation": {"launch_guards"},  # the launcher's status line carries the guard's verdict
@@ -147,7 +149,32 @@ def violations(graph: Graph) -> list[str]:
         for name in e.names:
             if name.startswith("_") and not name.startswith("__"):
                 problems.append(f"{where}: takes the private name {name} from another module")
+    for mod, path in graph.modules.items():
+        problems += [f"{qualname}: a docstring of {n} lines (at most {DOCSTRING_MAX_LINES}): "
+                     f"move its substance to a design note" for qualname, n in long_docstrings(mod, path)]
     return problems
+
+
+def long_docstrings(module: str, path: Path) -> list[tuple[str, int]]:
+    """(qualified name, line count) of each docstring in the file past ``DOCSTRING_MAX_LINES``,
+    counted as ``ast.get_docstring`` leaves it (dedented, outer blank lines dropped)."""
+    found = []
+
+    def check(node, qualname: str) -> None:
+        doc = ast.get_docstring(node)
+        if doc and len(doc.splitlines()) > DOCSTRING_MAX_LINES:
+            found.append((qualname, len(doc.splitlines())))
+        visit(node, qualname)
+
+    def visit(node, qualname: str) -> None:  # definitions nested in any statement (if, try, ...) too
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                check(child, f"{qualname}.{child.name}")
+            else:
+                visit(child, qualname)
+
+    check(ast.parse(path.read_text(), str(path)), module)
+    return found
 
 
 def private_names_taken(path: Path) -> list[str]:

@@ -21,6 +21,7 @@ import _layout
 from conftest import REPO_ROOT
 
 PYTHON = REPO_ROOT / "python"
+DOCSTRING_LIMIT = _layout.DOCSTRING_MAX_LINES
 # The app module sglang's HTTP server is pointed at: it exists to load sglang.
 LOADS_SGLANG_BY_DESIGN = {"sglang_dsv41.worker_app"}
 # A statement importing a test module, inside code written as a string for a child interpreter.
@@ -180,3 +181,29 @@ def test_a_private_name_across_modules_fails_the_layout(tree_copy):
 def test_a_patches_module_that_imports_logic_fails_the_layout(tree_copy):
     _add_line(tree_copy, "sglang_dsv41.cp_bcg.patches", "from sglang_dsv41.cp_bcg import rules")
     assert any("patches.py is data" in p for p in _problems(tree_copy))
+
+
+def _docstring_of(lines: int) -> str:
+    return '"""' + "\n    ".join(f"line {n}" for n in range(1, lines + 1)) + '\n    """'
+
+
+@pytest.mark.parametrize("where", ["function", "nested"])
+def test_a_long_docstring_fails_the_layout(tree_copy, where):
+    body = f"def explained():\n    {_docstring_of(DOCSTRING_LIMIT + 1)}\n"
+    qualname = "sglang_dsv41.tools.smoke.explained"
+    if where == "nested":  # a method of a class defined under an if
+        body = "if True:\n    class Holder:\n" + textwrap.indent(body, "        ")
+        qualname = "sglang_dsv41.tools.smoke.Holder.explained"
+    _add_line(tree_copy, "sglang_dsv41.tools.smoke", body)
+    assert f"{qualname}: a docstring of {DOCSTRING_LIMIT + 1} lines" in " ".join(_problems(tree_copy))
+
+
+def test_a_long_module_docstring_fails_the_layout_and_the_limit_itself_passes(tree_copy):
+    path = tree_copy / "sglang_dsv41" / "metrics.py"
+    text = path.read_text()
+    start, end = text.index('"""'), text.index('"""', text.index('"""') + 3) + 3
+    path.write_text(text[:start] + _docstring_of(DOCSTRING_LIMIT) + text[end:])
+    assert not [p for p in _problems(tree_copy) if "docstring" in p]
+    path.write_text(text[:start] + _docstring_of(DOCSTRING_LIMIT + 1) + text[end:])
+    assert any(p.startswith(f"sglang_dsv41.metrics: a docstring of {DOCSTRING_LIMIT + 1} lines")
+               for p in _problems(tree_copy))

@@ -331,28 +331,18 @@ class _State(enum.Enum):
 class OwnerSession:
     """The owner protocol for one input preparation of one group.
 
-    ``engaged`` must be decided identically on every rank without
-    communication (from host-side batch metadata). A session that is not
-    engaged does nothing: its fence and ``features_ready`` are free.
+    ``engaged`` must be decided identically on every rank without communication
+    (from host-side batch metadata); a session that is not engaged does nothing.
 
-    Parameters beyond the group:
-      device, dtype, width: what every span must be (``[span_len, width]``).
-      request_ids: for the manifest check and for error texts.
-      signature: ``(item, span_len) -> geometry``; raising rejects the span.
-      allocate: receive-buffer allocator ``(shape, dtype, device) -> tensor``.
-      allocation_context: entered around the whole owner path, so production
-        can keep receive buffers out of a symmetric-memory pool (owners and
-        receivers allocate different sizes, which such a pool cannot take).
-      synchronize: waits for the device before a rank reports success.
-      on_phase: called with each phase as it starts (a fault-injection seam
-        for tests; None in production).
-      span_cost: a span request's encoder cost estimate, from its metadata
-        (the owners are balanced by it); default: its token count.
-      local_encode: every rank encodes its own misses (stock sglang's
-        replicated path) and the session only agrees status, before the text
-        embedding and at the fence end: two small rounds, no manifest, no
-        broadcast, and still the same error on every rank when one rank
-        fails. ``resolve`` is not used.
+    Beyond the group: ``device``, ``dtype``, ``width`` (every span is
+    ``[span_len, width]``); ``request_ids`` (manifest check, error texts);
+    ``signature`` (``(item, span_len) -> geometry``; raising rejects the span);
+    ``allocate`` (receive buffers, ``(shape, dtype, device) -> tensor``), entered
+    inside ``allocation_context``; ``synchronize`` (waits for the device before a
+    rank reports success); ``on_phase`` (a test seam, None in production);
+    ``span_cost`` (balances the owners; default: token count); ``local_encode``
+    (every rank encodes its own misses, the session only agrees status).
+    Design: docs/design/owner_broadcast.md (the session's parameters).
     """
 
     def __init__(

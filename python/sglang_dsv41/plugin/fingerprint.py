@@ -1,28 +1,13 @@
 """Fingerprints of upstream sglang code, read from source files without importing them.
 
-Nothing here imports sglang. A dotted target is found in a *source tree* (the
-installed package, a folder holding an ``sglang`` package, or a wheel, which is a
-zip) and parsed with ``ast``. One function, :func:`fingerprint_of`, computes the
-fingerprint of a patch-table entry or a pinned internal; the load-time checks,
-``doctor``, ``fingerprint --update`` and ``upgrade-check`` all call it, so they
-cannot disagree about what counts as a change.
+:func:`fingerprint_of` is the one computation: the load-time checks, ``doctor``,
+``fingerprint --update`` and ``upgrade-check`` all call it, so they cannot
+disagree about what counts as a change. A dotted target is found in a source
+tree (the installed package, a folder holding an ``sglang`` package, or a wheel)
+and parsed with ``ast``; what is covered follows the entry's ``depends_on``.
+Nothing here imports sglang.
 
-A fingerprint covers only what the hook depends on (the entry's ``depends_on``):
-
-- ``source``: the signature, the code (decorators and body, docstrings and
-  formatting ignored) and the effective binding;
-- ``signature``: the signature, decorators, the function's shape (plain,
-  generator, async) and the effective binding; a body edit is not drift;
-- a NEW_ATTRIBUTE entry: the owner class's header and binding, whether the new
-  name is still absent from the class, and the code of the owner's methods that
-  the new code calls or relies on (``relies_on``);
-- a pinned variable: the statements that bind it.
-
-The *effective binding* is what the module leaves under the name once it has
-run: a method re-bound after its class body (``Cls.meth = other`` or
-``setattr(Cls, "meth", other)`` at module level), a function re-assigned
-(``f = wrap(f)``) or re-imported after its ``def`` changes the fingerprint even
-though the ``def`` itself did not change.
+Design: docs/design/fingerprint.md.
 """
 
 from __future__ import annotations

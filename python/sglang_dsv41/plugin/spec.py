@@ -1,4 +1,7 @@
-"""The shape of one patch-table entry. Plain data: importing this never imports sglang."""
+"""The shape of one patch-table entry. Plain data: importing this never imports sglang.
+
+Design: docs/design/fingerprint.md (what an entry's fingerprint covers).
+"""
 
 from __future__ import annotations
 
@@ -38,23 +41,13 @@ class Role(str, enum.Enum):
 class Patch:
     """One change to sglang. The table in ``plugin.table`` is the only list of these.
 
-    ``target`` is the dotted upstream path. For RESOLUTION it is the resolution
-    step function (fingerprinted like any other function); for NEW_ATTRIBUTE it
-    is ``<owner class path>.<new name>`` and the fingerprint is taken from the
-    owner class, so an upstream change to the class is noticed.
-    ``hook`` is ``module:callable`` inside this package, imported lazily.
-
-    ``depends_on`` says what the hook relies on, and so what the fingerprint
-    covers (see ``fingerprint``): ``"source"`` (signature and code, the default)
-    or ``"signature"`` (a hook that only needs the call shape, such as a BEFORE
-    on a constructor that reads its arguments). A NEW_ATTRIBUTE entry is
-    fingerprinted by the owner class header, the absence of the new name and the
-    owner's methods listed in ``relies_on`` (the ones the new code calls or
-    whose behaviour it assumes).
-
-    ``upstream`` names the upstream pull request or issue that would make the
-    patch unnecessary, where one exists; ``remove_when`` is the condition under
-    which the patch can go.
+    ``target``: the dotted upstream path; for RESOLUTION the resolution step
+    function, for NEW_ATTRIBUTE ``<owner class path>.<new name>`` (fingerprinted
+    through the owner class). ``hook``: ``module:callable`` in this package, imported
+    lazily. ``depends_on``: what the fingerprint covers, ``"source"`` (signature and
+    code) or ``"signature"`` (call shape only); ``relies_on``: the owner's methods a
+    NEW_ATTRIBUTE's code calls or assumes. ``upstream``: the PR or issue that would
+    make the patch unnecessary; ``remove_when``: when it can go.
     """
 
     id: str

@@ -1,29 +1,14 @@
 """``sglang-dsv41 smoke``: after ``docker compose up``, do the servers work with the plugin active?
 
-Targets are compose files (every ``sglang serve`` service and every sglang
-router in them, at the port its command names) or server URLs. For each:
+Targets are compose files (every ``sglang serve`` service and sglang router in
+them, at the port its command names) or server URLs. Each server gets the checks
+``health``, ``chat``, ``image`` and ``metrics`` where they apply. One line per
+server, or one JSON document with ``--json``; exit status 0 when every check
+passed, 1 when one failed, 2 for input that cannot be used. Every request is
+bounded in time (``--timeout``) and size, proxies are not used, and an answer
+not shaped as sglang's fails its check.
 
-- ``health``: ``GET /health`` answers 200;
-- ``chat``: one short chat completion comes back with at least one token
-  (not on a PD prefill or decode server alone: they answer only in a pair,
-  through the router);
-- ``image``: where the server understands images (``/model_info``), one chat
-  completion with a small generated PNG as a data URL, which must count more
-  prompt tokens than the same text alone;
-- ``metrics``: ``/metrics`` (sglang's ``--enable-metrics``) carries the
-  plugin's ``sglang_dsv41_patches_applied`` series with every owed patch
-  applied in the scheduler and the launcher roles, and the launch guard's
-  verdict (``sglang_dsv41_launch_guard_active``), which says the launcher ran
-  with the plugin (not on routers: they run no plugin).
-
-One line per server, or one JSON document with ``--json``. Exit status 0 when
-every check passed, 1 when one failed, 2 for input that cannot be used (one
-line naming it). Each request must be over, answer read, within ``--timeout``
-seconds, and an answer is read up to a size cap: a server that trickles or
-floods fails its check instead of holding the tool. Proxies are not used: the
-servers are reached directly. An answer that is not what sglang sends (a broken
-status line, a body cut short, JSON of another shape, counts that are not
-whole numbers) fails its check, naming what was wrong.
+Design: docs/design/smoke.md.
 """
 
 from __future__ import annotations

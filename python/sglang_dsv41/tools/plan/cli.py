@@ -1,19 +1,13 @@
 """``sglang-dsv41 plan <compose file>...``: check deployment topologies offline.
 
-For every sglang service, its ``sglang serve`` command goes through sglang
-0.5.23's own argument parser and resolution pipeline, with this plugin's
-validators active, against a tiny DeepSeek-V4.1 checkpoint shipped in the
-package (config only, no weights; no GPU needed). The resolved layouts are then
-checked across services: GPU sets, ports, router wiring, every PD pair against
-the handshake's pairing rule, Mooncake masters, healthchecks, and the flag
-combinations known to crash on the GPU. Exit status 0 means nothing was found;
-1 lists each problem with the service and the reason; 2 means a file could not
-be read.
+Every sglang service's ``sglang serve`` command goes through sglang 0.5.23's own
+parser and resolution with this plugin's validators, against a config-only tiny
+DeepSeek-V4.1 checkpoint shipped in the package (no GPU); the resolved layouts
+are then checked across services. Exit status 0: nothing found; 1: each problem
+with its service and reason; 2: a file could not be read. It fails closed: what
+it cannot read or follow is a problem, never skipped.
 
-It fails closed: input it cannot read is one line and status 2, decided before
-sglang is imported; a service it cannot recognise (or a shell script it cannot
-follow) is a problem unless labelled as unrelated; the plugin's validators run
-whatever SGLANG_PLUGINS/SGLANG_PLATFORM the calling shell sets.
+Design: docs/design/plan.md.
 """
 
 from __future__ import annotations

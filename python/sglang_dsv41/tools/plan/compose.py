@@ -1,21 +1,13 @@
 """Read docker compose files the way ``docker compose`` does, for offline checks.
 
-Covers what our topologies use and what a user is likely to write around them:
-YAML anchors and merge keys, ``${VAR}`` interpolation with the compose
-operators (in the compose file and in ``.env``, whose values may refer to
-other variables), top-level ``include`` and ``name``, ``extends`` (same file or
-another file) with the compose merge rules, ``profiles``, the short and long
-syntax of ``volumes`` and ``ports``, ``environment`` as a list or a mapping,
-``env_file``, ``depends_on`` and GPU reservations. It also reads the normalized
-output of ``docker compose config``.
-
-Anything it cannot interpret raises ``ComposeError`` with one line naming the
-file (and the service, where there is one) instead of being skipped, so the
-checker never passes a file it did not understand. Input is bounded: file
-size, YAML nesting and alias expansion, interpolated text and ``extends``
-depth all have caps, so no input makes it run long or grow without bound.
-
+Covers the compose features our topologies and their likely neighbours use
+(anchors, interpolation, ``.env``, ``include``, ``extends``, ``profiles``, the
+short and long syntaxes) and the output of ``docker compose config``. Anything
+it cannot interpret raises ``ComposeError`` with one line naming the file (and
+service), never skipped; input size and expansion are capped.
 No sglang import here: this is plain data handling.
+
+Design: docs/design/plan.md.
 """
 
 from __future__ import annotations

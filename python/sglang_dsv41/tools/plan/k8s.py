@@ -1,20 +1,13 @@
 """Read Kubernetes manifests (RoleBasedGroup, Deployment, LeaderWorkerSet) into plan's service model.
 
 Every pod a manifest would create becomes one ``Service``, as a compose service
-would: its container's command and arguments (``$(VAR)`` expanded the way the
-kubelet does, with the variables RoleBasedGroup injects), environment, mounted
-files (ConfigMaps are written to a private directory so ``--config`` reads
-them), its GPUs (``nvidia.com/gpu``) and its readiness probe as the
-healthcheck. Replicas are expanded; each pod is addressed by the DNS names the
-workload gives it, so router URLs are checked against the roles' real names.
-All pods share one host, ``cluster``: the device plugin gives each pod its own
-GPUs (their ids carry the pod's name) and each pod has its own network, so the
-per-host rules find no false overlaps.
+would (command with ``$(VAR)`` expanded, environment, mounted ConfigMaps, GPUs,
+readiness probe as healthcheck), addressed by its workload's DNS names, all on
+one host, ``cluster``. A directory with a ``kustomization.yaml`` is rendered with
+``kubectl kustomize`` first. What it does not understand where it matters is one
+line (``ComposeError``), never skipped. No sglang import here.
 
-A directory with a ``kustomization.yaml`` is rendered with ``kubectl kustomize``
-first. An unknown kind or API version, or a field this reader does not
-understand where it matters, is one line (``ComposeError``), never skipped.
-No sglang import here.
+Design: docs/design/plan.md.
 """
 
 from __future__ import annotations
