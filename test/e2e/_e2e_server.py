@@ -26,6 +26,16 @@ import pytest
 import requests
 from _tiny_model import HIDDEN_SIZE
 
+# One way to start a server, wait for its health and stop its group, shared with `sglang-dsv41 verify`;
+# live_group_members is also what _pd.py checks a stopped group with.
+from sglang_dsv41.tools.verify.servers import (  # noqa: F401
+    ExitedBeforeHealthy,
+    live_group_members,
+    start_in_own_group,
+    stop_process_group,
+    wait_for_health,
+)
+
 HERE = Path(__file__).resolve().parent
 STAND_INS = HERE / "stand_ins"
 KERNEL_CALLS_ENV = "SGLANG_DSV41_E2E_KERNEL_CALLS"
@@ -154,13 +164,8 @@ class Server:
 
     def start(self) -> "Server":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(), env=self.env(), cwd=self.workdir, stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
+        self.proc = start_in_own_group(self.command(), self.env(), self.log_path, cwd=self.workdir)
         return self
 
     @property
@@ -175,21 +180,15 @@ class Server:
         return self.log()[-chars:]
 
     def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} before /health answered:\n"
-                    + self.log_tail()
-                )
-            try:
-                if requests.get(f"{self.base}/health", timeout=5).status_code == 200:
-                    self.healthy_after_s = time.monotonic() - self.started_at
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise AssertionError(f"/health did not answer within {timeout:.0f} s:\n" + self.log_tail())
+        try:
+            healthy = wait_for_health(self.proc, f"{self.base}/health", timeout)
+        except ExitedBeforeHealthy as exited:
+            raise AssertionError(
+                f"server exited with {exited.returncode} before /health answered:\n" + self.log_tail()
+            ) from None
+        if not healthy:
+            raise AssertionError(f"/health did not answer within {timeout:.0f} s:\n" + self.log_tail())
+        self.healthy_after_s = time.monotonic() - self.started_at
 
     def status_lines(self) -> list[StatusLine]:
         return [
@@ -222,39 +221,8 @@ class Server:
         ``graceful=False``: SIGKILL at once, as a crashed host or an OOM kill would."""
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the group is the server's own
         signals = ((signal.SIGTERM, 30), (signal.SIGKILL, 30)) if graceful else ((signal.SIGKILL, 30),)
-        for sig, grace in signals:
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                self.proc.poll()  # reap the launcher
-                if not live_group_members(pgid):
-                    break
-                time.sleep(0.5)
-            if not live_group_members(pgid):
-                break
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """PIDs of the group that are not zombies (Linux /proc; a container's init may never reap)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
+        stop_process_group(self.proc, signals)
 
 
 def start_healthy(server: Server) -> Server:
