@@ -443,11 +443,7 @@ def peer_transport(args):
     if args.mode == "gpu":
         from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
 
-        copier = batch_copy_for(args.gpu, prefer=args.staging_copy)
-        if args.peer_launcher == "uploaded":  # the Triton kernel with its table uploaded, nothing native
-            copier.use_native_writer(False)
-            copier.use_table_as_parameter(False)
-        return peer_copy.CudaIpcTransport(copier, args.gpu)
+        return peer_copy.CudaIpcTransport(batch_copy_for(args.gpu), args.gpu)
     return peer_copy.HostCmaTransport()
 
 
@@ -556,8 +552,7 @@ def run_dsv41_sender(args) -> None:
         import numpy as np
 
         from sglang_dsv41.mooncake_nvlink.routing import KindTable
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (PAGED_NARROW_ROWS, PagedLayout, PeerWrites, bind_layout,
-                                                                 send_paged_batch)
+        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerWrites, bind_layout, send_paged_batch
 
         kinds = KindTable(plan.classified, memory.kind_of)
 
@@ -565,9 +560,8 @@ def run_dsv41_sender(args) -> None:
             """As the plugin's page path: each send call from its page lists, else its blocks as ``peer``."""
             def run():
                 for bound, src_pages, dst_pages, blocks in paged:
-                    out = (send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
-                           if bound is not None else None)  # None: rows the page path leaves to blocks
-                    if out is not None and out.fallback is None:
+                    out = send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
+                    if out.fallback is None:
                         peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
                         continue
                     rc = peer_path(blocks)
@@ -581,8 +575,7 @@ def run_dsv41_sender(args) -> None:
 
         def held_request(paged, kv_calls):
             """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
-            last chunk's KV and the state calls held and written as one batch (before the status);
-            a call the page path leaves to blocks (narrow rows) goes at once, as its blocks."""
+            last chunk's KV and the state calls held and written as one batch (before the status)."""
             earlier, last = paged[:max(kv_calls - 1, 0)], paged[max(kv_calls - 1, 0):]
             run_earlier = pages_request(earlier)
 
@@ -593,12 +586,6 @@ def run_dsv41_sender(args) -> None:
                     return rc
                 t1 = time.perf_counter()
                 for bound, src_pages, dst_pages, blocks in last:
-                    if bound is None:
-                        rc = peer_path(blocks)
-                        if rc != 0:
-                            held.discard()
-                            return rc
-                        continue
                     why_not = held.add_pages(bound, src_pages, dst_pages)
                     if why_not is not None:
                         held.discard()
@@ -643,7 +630,7 @@ def run_dsv41_sender(args) -> None:
                 bound, why_not = bind_layout(
                     PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
                     target, kinds.device_bytes_from)
-                if bound is None and why_not != PAGED_NARROW_ROWS:
+                if bound is None:
                     raise RuntimeError(f"{name}: the page path cannot serve a call of this request: {why_not}")
                 paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks))
             paths["pages"] = pages_request(paged)
@@ -822,9 +809,6 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
     common = ["--mode", args.mode, "--protocol", protocol, "--register", register,
               "--device-mib", str(args.device_mib), "--host-mib", str(args.host_mib),
               "--channel", args.channel, "--pattern", args.pattern]
-    if args.staging_copy:
-        common += ["--staging-copy", args.staging_copy]
-    common += ["--peer-launcher", args.peer_launcher]
     if args.no_peer:
         common.append("--no-peer")
     if args.peer_min_blocks is not None:
@@ -876,12 +860,7 @@ def main() -> None:
     p.add_argument("--case", dest="cases", action="append", default=None,
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
-    p.add_argument("--staging-copy", choices=["triton", "memcpy-async"], default=None,
-                   help="dsv41, GPU: the batched copy's backend of the peer paths "
-                   "(default: triton when importable)")
     p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")
-    p.add_argument("--peer-launcher", choices=["auto", "uploaded"], default="auto",
-                   help="dsv41, GPU: how peer writes launch (uploaded: the Triton kernel alone)")
     p.add_argument("--peer-min-blocks", type=int, default=None,
                    help="dsv41: fewest device blocks a batch needs for a peer write (default: "
                    "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS's default under SGLANG_DSV41_KV_STAGING=peer)")

@@ -26,16 +26,39 @@ range. Needs sglang 0.5.23 importable (the project's venv); no GPU.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3, "test", "helpers"))
 import dsv41_kv_pattern as pattern  # noqa: E402  (the request patterns)
-from peer_write_costs import _median_us, parse_runs  # noqa: E402
+
+
+def _median_us(fn, iters: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def parse_runs(prog: str, description: str):
+    """--runs and --iters, checked; None (after one line on stderr) when either is below 1."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--iters", type=int, default=200)
+    args = p.parse_args()
+    if args.runs < 1 or args.iters < 1:
+        print(f"{prog}: --runs and --iters must be at least 1", file=sys.stderr)
+        return None
+    return args
 
 SESSION = "127.0.0.1:17000"
 BUFFER = 1 << 32  # address space per buffer (nothing is touched)
@@ -55,7 +78,6 @@ def _build(page_path: bool):
 
     class NoCopy:
         kind = "host-cma"
-        min_word = 1
 
         def open(self, peer):
             return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])

@@ -1,18 +1,16 @@
 """``MemoryAccess`` implementations: CUDA (production), host-only, and injected classification.
 
-``cuda_memory_access()`` prefers ``cuda.bindings.runtime`` (cuda-python, a
-dependency of sglang) and falls back to the CUDA runtime library through
-ctypes (torch ships one), so the same code runs where only torch is installed.
+``cuda_memory_access()`` calls the CUDA runtime library through the package's
+one binding (``cuda_libs``; torch ships the library), so the same code runs
+where only torch is installed.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 from typing import Iterable, Optional
 
+from sglang_dsv41.mooncake_nvlink import cuda_libs
 from sglang_dsv41.mooncake_nvlink.routing import (
     MemoryAccessError,
     MemoryKind,
@@ -20,7 +18,6 @@ from sglang_dsv41.mooncake_nvlink.routing import (
 )
 
 _CUDA_MEMORY_TYPE_DEVICE = 2  # cudaMemoryTypeDevice; 0 unregistered, 1 host, 3 managed
-_CUDA_MEMCPY_DEFAULT = 4  # direction inferred from the pointers (unified addressing)
 
 
 def _payload_address(payload: bytes, offset: int) -> tuple[int, object]:
@@ -64,41 +61,23 @@ class InjectedKinds(HostMemory):
         return MemoryKind.HOST
 
 
-class _CudaPointerAttributes(ctypes.Structure):
-    # The CUDA 11+ layout, plus room in case a newer runtime writes more fields.
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("device", ctypes.c_int),
-        ("devicePointer", ctypes.c_void_p),
-        ("hostPointer", ctypes.c_void_p),
-        ("_reserved", ctypes.c_ubyte * 256),
-    ]
-
-
 class _CtypesRuntime:
+    """The four runtime calls ``CudaMemory`` makes."""
+
     name = "ctypes-libcudart"
 
-    def __init__(self, lib: ctypes.CDLL, path: str):
-        self.lib = lib
-        self.path = path
-        lib.cudaPointerGetAttributes.argtypes = [ctypes.POINTER(_CudaPointerAttributes), ctypes.c_void_p]
-        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        lib.cudaSetDevice.argtypes = [ctypes.c_int]
-        for fn in ("cudaPointerGetAttributes", "cudaMemcpy", "cudaGetDevice", "cudaSetDevice",
-                   "cudaGetLastError"):
-            getattr(lib, fn).restype = ctypes.c_int
+    def __init__(self, runtime: cuda_libs.CudaRuntime):
+        self.lib, self.path = runtime.lib, runtime.path
 
     def pointer_type(self, ptr: int) -> tuple[int, int, int]:
-        attr = _CudaPointerAttributes()
+        attr = cuda_libs.PointerAttributes()
         err = self.lib.cudaPointerGetAttributes(ctypes.byref(attr), ctypes.c_void_p(ptr))
         if err:
             self.lib.cudaGetLastError()  # clear it so later CUDA calls are not poisoned
         return err, attr.type, attr.device
 
     def memcpy(self, dst: int, src: int, length: int) -> int:
-        return self.lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), length,
-                                   _CUDA_MEMCPY_DEFAULT)
+        return self.lib.cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), length, cuda_libs.MEMCPY_DEFAULT)
 
     def get_device(self) -> tuple[int, int]:
         dev = ctypes.c_int(-1)
@@ -109,60 +88,11 @@ class _CtypesRuntime:
         return self.lib.cudaSetDevice(device)
 
 
-class _CudaBindingsRuntime:
-    name = "cuda.bindings"
-
-    def __init__(self, rt):
-        self.rt = rt
-
-    def pointer_type(self, ptr: int) -> tuple[int, int, int]:
-        err, attr = self.rt.cudaPointerGetAttributes(ptr)
-        if int(err):
-            self.rt.cudaGetLastError()
-            return int(err), -1, -1
-        return 0, int(attr.type), int(attr.device)
-
-    def memcpy(self, dst: int, src: int, length: int) -> int:
-        (err,) = self.rt.cudaMemcpy(dst, src, length, self.rt.cudaMemcpyKind.cudaMemcpyDefault)
-        return int(err)
-
-    def get_device(self) -> tuple[int, int]:
-        err, dev = self.rt.cudaGetDevice()
-        if int(err):
-            return int(err), -1
-        return 0, int(dev)
-
-    def set_device(self, device: int) -> int:
-        (err,) = self.rt.cudaSetDevice(device)
-        return int(err)
-
-
-def libcudart_candidates() -> list[str]:
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
-    found: list[str] = []
-    for base in sys.path:
-        for pattern in ("nvidia/*/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*",
-                        "torch/lib/libcudart*.so*"):
-            found.extend(sorted(glob.glob(os.path.join(base, pattern)), reverse=True))
-    return names + found
-
-
-def _load_runtime(prefer: Optional[str] = None):
-    errors = []
-    if prefer in (None, "cuda.bindings"):
-        try:
-            from cuda.bindings import runtime as rt  # type: ignore[import-not-found]
-
-            return _CudaBindingsRuntime(rt)
-        except Exception as exc:  # not installed, or no driver
-            errors.append(f"cuda.bindings: {exc}")
-    if prefer in (None, "ctypes"):
-        for candidate in libcudart_candidates():
-            try:
-                return _CtypesRuntime(ctypes.CDLL(candidate), candidate)
-            except OSError as exc:
-                errors.append(f"{candidate}: {exc}")
-    raise MemoryAccessError("no CUDA runtime found (" + "; ".join(errors[:4]) + ")")
+def _load_runtime() -> _CtypesRuntime:
+    try:
+        return _CtypesRuntime(cuda_libs.cuda_runtime())
+    except cuda_libs.CudaLibraryError as exc:
+        raise MemoryAccessError(str(exc)) from exc
 
 
 class CudaMemory:
@@ -226,6 +156,6 @@ class CudaMemory:
         del keep
 
 
-def cuda_memory_access(prefer: Optional[str] = None, device: Optional[int] = None) -> CudaMemory:
+def cuda_memory_access(device: Optional[int] = None) -> CudaMemory:
     """The production ``MemoryAccess``; raises MemoryAccessError when no CUDA runtime is usable."""
-    return CudaMemory(_load_runtime(prefer), device=device)
+    return CudaMemory(_load_runtime(), device=device)

@@ -208,17 +208,10 @@ def _kv_staging_finding() -> Finding | None:
     if importlib.util.find_spec("triton") is None:
         return Finding("kv-staging", "fail", f"{STAGING_ENV}=peer needs Triton for its batched copy on the "
                        "prefill, and triton is not installed: a prefill server would stop at start")
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy_native import NativeWriteError, build
-
-    try:
-        build()
-    except NativeWriteError as exc:  # the Python path works: slower, not wrong
-        return Finding("kv-staging", "warn", f"{STAGING_ENV}=peer: the native writer does not build here "
-                       f"({exc}); peer writes will fill and launch their tables from Python, slower")
     return Finding("kv-staging", "ok", f"{STAGING_ENV}=peer: KV and state sends of {config.min_blocks}+ "
                    "device blocks written straight into the decode's KV over CUDA IPC, from their "
                    "page lists where sglang's send allows; a request's last chunk as one write "
-                   "(native writer builds)")
+                   "(one Triton kernel, compiled and probed at every access width when the prefill starts)")
 
 
 def versions() -> dict:

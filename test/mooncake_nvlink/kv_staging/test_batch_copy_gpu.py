@@ -1,9 +1,10 @@
-"""CudaBatchCopy on a real GPU, both paths (skips without CUDA).
+"""CudaBatchCopy on a real GPU (skips without CUDA).
 
 Byte-exact against per-entry torch copies: random batches (1..2,000 entries,
-1 B..5 MiB, aligned and unaligned), entries touching allocation ends with
-guard bytes around them, four threads at once, and a DeepSeek-V4.1 request
-gathered into one staging buffer and scattered back out.
+1 B..5 MiB, aligned and unaligned), buffers of every access width in one
+launch, entries touching allocation ends with guard bytes around them, four
+threads at once, and a DeepSeek-V4.1 request gathered into one buffer and
+scattered back out.
 
     PYTHONPATH=python python -m pytest test/mooncake_nvlink/kv_staging/test_batch_copy_gpu.py -q
 """
@@ -29,9 +30,9 @@ SRC_POOL = 256 * MiB
 DST_POOL = 1024 * MiB
 
 
-@pytest.fixture(scope="module", params=["triton", "memcpy-async"])
-def copier(request):
-    return batch_copy_for(0, prefer=request.param)
+@pytest.fixture(scope="module")
+def copier():
+    return batch_copy_for(0)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_one_unaligned_entry_among_aligned_ones(copier, pools):
     src, dst = pools
     rng = np.random.default_rng(7)
     src_off, dst_off, lengths = random_entries(rng, 500, 16, src.numel(), dst.numel(), max_len=64 * 1024)
-    lengths[250] -= 3  # this batch now runs on the byte path
+    lengths[250] -= 3  # this block now takes the byte-wise path, the others stay wide
     check_batch(copier, src, dst, src_off, dst_off, lengths)
 
 
@@ -206,7 +207,7 @@ def test_bad_batches_raise_not_crash(copier, pools):
 @pytest.mark.parametrize("path", ["jit launch", "torch upload"])
 def test_triton_fallback_paths(pools, path):
     """The paths a Triton launcher of another shape, or no shareable CUDA runtime, would take."""
-    copier = CudaBatchCopy(0, prefer="triton")
+    copier = CudaBatchCopy(0)
     if path == "jit launch":
         copier._fast_launch = False
     else:
@@ -217,16 +218,12 @@ def test_triton_fallback_paths(pools, path):
         check_batch(copier, src, dst, *random_entries(rng, 700, align, src.numel(), dst.numel()))
 
 
-def test_backend_choice():
-    import importlib.util
-
+def test_copier_choice():
     chosen = batch_copy_for(None)
-    has_triton = importlib.util.find_spec("triton") is not None
-    assert chosen.backend == ("triton" if has_triton else "memcpy-async"), chosen.fallback_reason
-    assert batch_copy_for(0, prefer="memcpy-async").backend == "memcpy-async"
+    assert chosen.backend == "triton" and chosen.device == torch.cuda.current_device()
     with pytest.raises(BatchCopyError, match="does not exist"):
         batch_copy_for(torch.cuda.device_count())
-    print(f"backend={chosen.backend} fast_launch={getattr(chosen, '_fast_launch', None)}")
+    print(f"fast_launch={chosen._fast_launch}")
 
 
 def test_allocations_are_segment_bases_for_engine_registration(copier):
@@ -287,17 +284,6 @@ def check_paged(copier, src, dst, copies):
     assert torch.equal(dst, want)
 
 
-def parameter_copier(launcher: str = "parameter") -> CudaBatchCopy:
-    """A copier passing tables as the kernel's parameter: "native" (filled and launched by the
-    native writer) or "parameter" (from Python)."""
-    copier = CudaBatchCopy(0, prefer="triton")
-    if launcher == "parameter":
-        copier.use_native_writer(False)
-    if copier.launcher != launcher:
-        pytest.skip(f"{launcher} is not used here: {copier.native_reason or copier.param_reason}")
-    return copier
-
-
 @pytest.mark.parametrize("align", [16, 8, 1])
 def test_random_paged_copies_are_byte_exact(copier, pools, align):
     src, dst = pools
@@ -319,57 +305,20 @@ def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
     assert torch.equal(got[torch.from_numpy(dp).cuda()], want)
 
 
-@pytest.mark.parametrize("launcher", ["native", "parameter", "direct", "triton"])
-def test_paged_copies_are_exact_through_every_launcher(pools, launcher):
-    copier = CudaBatchCopy(0, prefer="triton")
-    print(f"paged kernel launcher here: {copier.launcher} (parameter table: {copier.param_reason or 'loaded'}; "
-          f"native writer: {copier.native_reason or 'built'}; "
-          f"Triton kernel: {copier.launcher_reason or 'direct launch'})")
-    if launcher == "native" and copier.launcher != "native":
-        pytest.skip(f"the native writer is not used here: {copier.native_reason or copier.param_reason}")
-    if launcher == "parameter":
-        copier.use_native_writer(False)
-        if copier.launcher != "parameter":
-            pytest.skip(f"the parameter-table kernel is not used here: {copier.param_reason}")
-    if launcher not in ("native", "parameter"):
-        copier.use_table_as_parameter(False)
-    if launcher == "direct" and copier.launcher != "direct":
-        pytest.skip(f"this Triton's kernel takes Triton's launcher: {copier.launcher_reason}")
-    if launcher == "triton":
-        copier._use_direct = False
-    assert copier.launcher == launcher
+def test_one_launch_takes_buffers_of_every_width(copier, pools):
+    """KV pages (16-byte), DSpark's request rows (8-byte) and odd rows in one launch, as a held write sends them."""
     src, dst = pools
-    copies = random_copies(src, dst, 11, calls=3, max_pages=40)
-    for _ in range(3):  # lanes and their parameter storage reused
+    third = dst.numel() // 3
+    copies = []
+    for k, align in enumerate((16, 8, 1)):
+        skew = 0 if align == 16 else align  # the first buffer really is only that wide
+        part = dst[k * third + skew:(k + 1) * third]
+        copies += random_copies(src, part, 20 + k, calls=2, max_pages=30, align=align)
+    for _ in range(3):  # lanes reused
         check_paged(copier, src, dst, copies)
 
 
-@pytest.mark.parametrize("launcher", ["native", "parameter"])
-def test_parameter_tables_of_every_kernel_size_and_past_the_limit(pools, launcher):
-    """Tables filling each compiled parameter size, and one just past the largest (the Triton kernel's)."""
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PAGED_CHUNK_BYTES, fill_paged_table, paged_copy
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy_ptx import PARAM_SIZES
-
-    copier = parameter_copier(launcher)
-    src, dst = pools
-    rng = np.random.default_rng(5)
-    sizes = []
-    for limit in (*PARAM_SIZES, PARAM_SIZES[-1] + 16):
-        # one buffer of 4 KiB pages (segment 6 words) plus page pairs (16 bytes each) to fill the table
-        pages = (limit - 8 * (2 + 6)) // 16
-        span = 2 * pages
-        copy = paged_copy([(src.data_ptr(), dst.data_ptr(), 4096)], rng.permutation(span)[:pages],
-                          rng.permutation(span)[:pages])
-        table = np.zeros(limit, np.uint64)
-        used = fill_paged_table(lambda n: table, [copy], PAGED_CHUNK_BYTES)[2]
-        sizes.append(used)
-        check_paged(copier, src, dst, [copy])
-    assert sizes[:-1] == list(PARAM_SIZES) and sizes[-1] > PARAM_SIZES[-1]
-
-
-@pytest.mark.parametrize("launcher", ["native", "parameter"])
-def test_a_thread_that_made_no_cuda_call_copies_through_the_parameter_table(pools, launcher):
-    copier = parameter_copier(launcher)
+def test_a_thread_that_made_no_cuda_call_copies(copier, pools):
     src, dst = pools
     copies = random_copies(src, dst, 12, calls=2, max_pages=20)
     want = expected_after(src, dst, copies)
@@ -394,15 +343,9 @@ def _current_context(driver) -> int:
     return current.value or 0
 
 
-@pytest.mark.parametrize("launcher", ["native", "parameter", "per-entry"])
-def test_a_thread_gets_its_own_context_back_and_a_fresh_thread_keeps_the_device_s(pools, launcher):
+def test_a_thread_gets_its_own_context_back_and_a_fresh_thread_keeps_the_device_s(copier, pools):
     """The copy makes the device's primary context current; a thread that had another one gets it
     back (never one it did not have: that would be a new context on some other GPU)."""
-    if launcher == "per-entry":
-        copier = CudaBatchCopy(0, prefer="memcpy-async")
-    else:
-        copier = parameter_copier(launcher)
-    assert copier.launcher == launcher
     driver = ctypes.CDLL("libcuda.so.1")
     create = getattr(driver, "cuCtxCreate_v2", None)
     if create is None:

@@ -42,7 +42,6 @@ class _IdentityTransport:
     """Records peer writes; the peer's addresses are used as they are (a stand-in for the mapping)."""
 
     kind = "host-cma"
-    min_word = 1
 
     def __init__(self):
         self.writes = []

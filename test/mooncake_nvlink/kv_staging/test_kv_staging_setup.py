@@ -67,11 +67,10 @@ def test_the_loader_refuses_slot_staging_before_anything_else_starts():
 def test_a_copy_without_triton_is_refused_on_the_prefill(monkeypatch):
     import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
 
-    class PerEntry(HostBatchCopy):
-        backend = "memcpy-async"
-        fallback_reason = "triton does not import"
+    def without_triton(device):
+        raise batch_copy.BatchCopyError("the batched copy needs Triton, which does not import: no module")
 
-    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device, prefer=None: PerEntry())
+    monkeypatch.setattr(batch_copy, "batch_copy_for", without_triton)
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
     with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
         kv_staging.set_up(_manager("prefill"))
@@ -138,7 +137,6 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
 
     class Recording:
         kind = "host-cma"
-        min_word = 1
 
         def __init__(self):
             self.opened, self.closed, self.writes = [], [], 0

@@ -50,7 +50,6 @@ class _Recorder:
     """A transport that records writes and closes (lifetime and translation tests)."""
 
     kind = "host-cma"
-    min_word = 1
 
     def __init__(self):
         self.writes, self.closed = [], []

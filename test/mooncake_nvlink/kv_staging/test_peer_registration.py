@@ -141,40 +141,27 @@ def test_the_stand_in_reports_sizes_as_the_driver_does():
 # --- rows narrower than the GPU copy's width go the direct way
 
 
-class _WideOnly:
-    """A transport whose copies take 16-byte multiples only, as the CUDA one; records writes."""
+class _RecordingTransport:
+    """A CUDA-IPC-like transport that records the writes it is handed."""
 
     kind = "cuda-ipc"
-    min_word = 16
 
     def __init__(self):
         self.writes = []
 
     def write(self, target, srcs, dsts, lengths):
-        self.writes.append(len(lengths))
+        self.writes.append([int(n) for n in lengths])
 
 
-def test_a_call_of_8_byte_rows_is_left_to_the_direct_way_and_a_16_byte_one_is_taken():
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
-        PAGED_NARROW_ROWS,
-        PagedLayout,
-        PeerTarget,
-        bind_layout,
-        send_peer_batch,
-    )
+def test_dspark_8_byte_rows_take_the_peer_write_like_wide_pages():
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerTarget, bind_layout, send_peer_batch
 
     peer = _map((0x1000_0000, MiB, 0, _handle(1)))
-    transport = _WideOnly()
+    transport = _RecordingTransport()
     target = PeerTarget(peer, [0x7000_0000], transport, [])
     device = lambda addr: MiB  # noqa: E731  every source counts as device memory
-    row = PagedLayout.of([(0x2000_0000, 0x1000_0000, 8)])  # DSpark's request row
-    assert bind_layout(row, target, device) == (None, PAGED_NARROW_ROWS)
-    wide, why = bind_layout(PagedLayout.of([(0x2000_0000, 0x1000_0000, 135168)]), target, device)
-    assert why is None and wide.word == 16
-    direct = []
+    row, why = bind_layout(PagedLayout.of([(0x2000_0008, 0x1000_0008, 8)]), target, device)  # DSpark's request row
+    assert why is None and (row.entries, row.page_bytes) == (((0x2000_0008, 0x7000_0008, 8),), 8)
     narrow_blocks = [(0x2000_0000 + 8 * k, 0x1000_0000 + 8 * k, 8) for k in range(16)]
-    out = send_peer_batch(narrow_blocks, target, 8, lambda blocks: direct.append(len(blocks)) or 0)
-    assert (out.rc, out.fallback, direct, transport.writes) == (0, PAGED_NARROW_ROWS, [16], [])
-    wide_blocks = [(0x2000_0000 + 64 * k, 0x1000_0000 + 64 * k, 64) for k in range(16)]
-    out = send_peer_batch(wide_blocks, target, 8, lambda blocks: pytest.fail("went direct"))
-    assert out.fallback is None and transport.writes == [16]
+    out = send_peer_batch(narrow_blocks, target, 8, lambda blocks: pytest.fail("went direct"))
+    assert (out.rc, out.fallback, out.nbytes, transport.writes) == (0, None, 128, [[8] * 16])

@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``CudaBatchCopy``: a whole batch of local copies in one launch.
+"""The Triton kernel behind ``CudaBatchCopy``: every page pair of a batch in one launch.
 
 Design: docs/design/kv_staging.md.
 """
@@ -8,13 +8,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MIN_CHUNK_BYTES = 32768  # small enough to spread one entry over many SMs
-BLOCK_ELEMENTS = {16: 1024, 8: 1024, 1: 4096}  # elements per step (8 KiB or 4 KiB)
+# Elements one step of a program moves: 8 KiB at the 16- and 8-byte widths, 4 KiB byte-wise.
+WORD_BLOCK = tl.constexpr(1024)
+BYTE_BLOCK = tl.constexpr(4096)
 
 
 @triton.jit
 def _copy_piece(src, dst, first_byte, nbytes, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    """Bytes [first_byte, first_byte + chunk) of one ``nbytes`` entry, clipped at its end."""
+    """Bytes [first_byte, first_byte + chunk) of one ``nbytes`` page, clipped at its end."""
     if WORD == 1:
         ELEM: tl.constexpr = 1
         src_ptr = src.to(tl.pointer_type(tl.uint8))
@@ -33,26 +34,20 @@ def _copy_piece(src, dst, first_byte, nbytes, chunk, WORD: tl.constexpr, BLOCK: 
     for step in range(0, stop - start, BLOCK):
         index = start + tl.multiple_of(step, BLOCK) + offsets
         mask = index < count
-        # Pointers loaded from memory carry no alignment facts; WORD is what the host checked.
+        # Pointers loaded from memory carry no alignment facts; the branch below checked WORD.
         src_block = tl.max_contiguous(tl.multiple_of(src_ptr + index, WORD), BLOCK)
         dst_block = tl.max_contiguous(tl.multiple_of(dst_ptr + index, WORD), BLOCK)
         tl.store(dst_block, tl.load(src_block, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_entries", "chunk"])
-def batch_copy_kernel(table, n_entries, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    entry = tl.program_id(0).to(tl.int64)
-    first_byte = tl.program_id(1).to(tl.int64) * chunk
-    nbytes = tl.load(table + 2 * n_entries + entry)
-    if first_byte < nbytes:
-        src = tl.load(table + entry)
-        dst = tl.load(table + n_entries + entry)
-        _copy_piece(src, dst, first_byte, nbytes, chunk, WORD, BLOCK)
-
-
 @triton.jit(do_not_specialize=["chunk"])
-def paged_copy_kernel(table, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: its piece of the table (see the module notes)."""
+def paged_copy_kernel(table, chunk):
+    """Program p: its piece of the table (see the design note).
+
+    Each buffer's access width is chosen here from its own addresses and page
+    size, so DSpark's 8-byte request row rides in the same launch as the
+    16-byte KV pages; one compiled kernel serves every width.
+    """
     program = tl.program_id(0).to(tl.int64)
     segments = tl.load(table)
     lo = program * 0
@@ -65,10 +60,20 @@ def paged_copy_kernel(table, chunk, WORD: tl.constexpr, BLOCK: tl.constexpr):
     first = tl.where(lo > 0, tl.load(table + 1 + lo), 0)  # word 1 (the chunk) is read but unused for lo = 0
     unit = program - first
     segment = table + 2 + segments + 5 * lo
+    src_base = tl.load(segment)
+    dst_base = tl.load(segment + 1)
     nbytes = tl.load(segment + 2)  # bytes per page, never 0
     pieces = (nbytes + chunk - 1) // chunk
     page = unit // pieces
     pages = table + tl.load(segment + 3)
-    src = tl.load(segment) + tl.load(pages + page) * nbytes
-    dst = tl.load(segment + 1) + tl.load(pages + tl.load(segment + 4) + page) * nbytes
-    _copy_piece(src, dst, (unit - page * pieces) * chunk, nbytes, chunk, WORD, BLOCK)
+    src = src_base + tl.load(pages + page) * nbytes
+    dst = dst_base + tl.load(pages + tl.load(segment + 4) + page) * nbytes
+    first_byte = (unit - page * pieces) * chunk
+    # Every page of a buffer shares the alignment of its page-0 addresses and page size.
+    bits = src_base | dst_base | nbytes
+    if (bits & 15) == 0:
+        _copy_piece(src, dst, first_byte, nbytes, chunk, 16, WORD_BLOCK)
+    elif (bits & 7) == 0:
+        _copy_piece(src, dst, first_byte, nbytes, chunk, 8, WORD_BLOCK)
+    else:
+        _copy_piece(src, dst, first_byte, nbytes, chunk, 1, BYTE_BLOCK)

@@ -96,15 +96,7 @@ def _copier_for(manager) -> BatchCopy:
         return _injected_copier
     from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
 
-    copier = batch_copy_for(_gpu_id(manager))
-    if copier.backend != "triton":
-        # One copy per block costs what the engine's per-block cost does: refuse
-        # rather than run peer writes that way.
-        raise BatchCopyError(
-            "the batched copy needs Triton, which is not usable here "
-            f"({getattr(copier, 'fallback_reason', None) or 'no reason given'})"
-        )
-    return copier
+    return batch_copy_for(_gpu_id(manager))
 
 
 def _transport_for(manager, copier: Optional[BatchCopy]) -> PeerTransport:
@@ -155,13 +147,9 @@ def set_up(manager, device_regions=()) -> None:
         logger.info("[sglang-dsv41] KV peer writes on (decode side, %s): %d regions in %d allocations "
                     "exported", state.transport.kind, len(state.exported.regions), len(state.exported.handles))
         return
-    copier = getattr(state.transport, "copier", None)
-    slower = getattr(copier, "param_reason", None) or getattr(copier, "native_reason", None)
     logger.info(
-        "[sglang-dsv41] KV peer writes on (prefill side, %s, paged copies launched: %s%s): batches of "
-        "%d+ device blocks written straight into the decode's KV", state.transport.kind,
-        getattr(copier, "launcher", "?"), f", not the fastest way: {slower}" if slower else "",
-        config.min_blocks,
+        "[sglang-dsv41] KV peer writes on (prefill side, %s): batches of %d+ device blocks written "
+        "straight into the decode's KV", state.transport.kind, config.min_blocks,
     )
 
 

@@ -17,28 +17,21 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
+from sglang_dsv41.mooncake_nvlink import cuda_libs
+from sglang_dsv41.mooncake_nvlink.cuda_libs import HANDLE_BYTES
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
     BatchCopy,
     BatchCopyError,
     PagedCopy,
     PagesOutsideBuffers,
-    batch_word,
-    word_of,
     expand_paged,
     paged_segments,
 )
 
 PEER_MAP_TAG = b"dsv41-kv-peer-map-v1"
-HANDLE_BYTES = 64  # cudaIpcMemHandle_t
 _ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")  # region pointer, length, offset in allocation, handle
 MAX_PEER_REGIONS = 1 << 14
 KINDS = ("cuda-ipc", "host-cma")
-# The GPU copy runs at the 16-byte width it is compiled and probed for at start: rows
-# narrower than that (DSpark's 8-byte request row) would drop a whole held write to a
-# slower kernel compiled on a transfer worker at its first use, so they go the direct
-# way instead (one small block), counted.
-CUDA_COPY_WORD = 16
-PAGED_NARROW_ROWS = "narrow_rows"
 
 # Why a batch took the direct path instead of a peer write (metric label values).
 FALLBACK_NO_PEER_MAP = "no_peer_map"
@@ -219,7 +212,6 @@ class PeerTarget:
 
 class PeerTransport(Protocol):
     kind: str
-    min_word: int  # the narrowest access its copies take: addresses and sizes must be multiples of it
 
     def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
         """This process's ``regions`` as a map another process on this host can open."""
@@ -248,10 +240,6 @@ def _check_peer(peer: PeerMap, kind: str) -> None:
 # --- CUDA IPC --------------------------------------------------------------------------
 
 
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]  # opaque; may hold NUL bytes
-
-
 _CUDA_IPC_LAZY_PEER_ACCESS = 1
 
 
@@ -259,30 +247,23 @@ class CudaIpcTransport:
     """Decode regions exported as CUDA IPC handles; batches written with the batched copy."""
 
     kind = "cuda-ipc"
-    min_word = CUDA_COPY_WORD
 
     def __init__(self, copier: Optional[BatchCopy], device: int, runtime=None, driver=None):
         """``copier``: None on a decode, which only exports. ``runtime``/``driver``: the CUDA
-        runtime (a ``CudaRuntime``) and driver library, or stand-ins with the same calls (tests);
-        found in the process when None."""
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import CudaRuntime
-
+        runtime (a ``cuda_libs.CudaRuntime``) and driver library, or stand-ins with the same
+        calls (tests); found in the process when None."""
         self.copier = copier
         self.device = device
-        if runtime is None:
-            try:  # torch's own runtime first: the same current device and context as its kernels
-                runtime = CudaRuntime.find(loaded_only=True)
-            except BatchCopyError:
-                runtime = CudaRuntime.find(loaded_only=False)
+        try:
+            if runtime is None:
+                try:  # torch's own runtime first: the same current device and context as its kernels
+                    runtime = cuda_libs.cuda_runtime(loaded_only=True)
+                except cuda_libs.CudaLibraryError:
+                    runtime = cuda_libs.cuda_runtime()
+            self._driver = driver if driver is not None else cuda_libs.cuda_driver()
+        except cuda_libs.CudaLibraryError as exc:
+            raise PeerMapError(str(exc)) from exc
         self._rt = runtime
-        lib = self._rt.lib
-        vp, ci = ctypes.c_void_p, ctypes.c_int
-        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), vp]
-        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
-        lib.cudaIpcCloseMemHandle.argtypes = [vp]
-        for name in ("cudaIpcGetMemHandle", "cudaIpcOpenMemHandle", "cudaIpcCloseMemHandle"):
-            getattr(lib, name).restype = ci
-        self._driver = driver if driver is not None else _driver_library()
         self._lock = threading.Lock()
         self._mapped: dict[bytes, list[int]] = {}  # handle -> [local base, references, mapped bytes]
 
@@ -309,7 +290,7 @@ class CudaIpcTransport:
                 raise PeerMapError(f"region [{ptr:#x}, +{length}) runs past its allocation")
             handle = handles.get(base)
             if handle is None:
-                raw = _IpcHandle()
+                raw = cuda_libs.IpcHandle()
                 err = self._rt.lib.cudaIpcGetMemHandle(ctypes.byref(raw), ctypes.c_void_p(base))
                 if err:
                     self._rt.lib.cudaGetLastError()
@@ -348,7 +329,7 @@ class CudaIpcTransport:
             if known is not None:
                 known[1] += 1
                 return known[0]
-            raw = _IpcHandle.from_buffer_copy(handle)
+            raw = cuda_libs.IpcHandle.from_buffer_copy(handle)
             ptr = ctypes.c_void_p()
             err = self._rt.lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, _CUDA_IPC_LAZY_PEER_ACCESS)
             if err:
@@ -392,19 +373,6 @@ class CudaIpcTransport:
             return len(self._mapped)
 
 
-def _driver_library():
-    for name in ("libcuda.so.1", "libcuda.so"):
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        fn = lib.cuMemGetAddressRange_v2
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        fn.restype = ctypes.c_int
-        return lib
-    raise PeerMapError("the CUDA driver library (libcuda.so.1) is not loadable")
-
-
 # --- host memory of another process -------------------------------------------------------
 
 
@@ -420,7 +388,6 @@ class HostCmaTransport:
     """Another process's host memory written with ``process_vm_writev`` (cross memory attach)."""
 
     kind = "host-cma"
-    min_word = 1  # bytes, any alignment
 
     def __init__(self):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -540,8 +507,6 @@ def send_peer_batch(blocks, target: Optional[PeerTarget], min_blocks: int, write
     local, outside = target.translate(dsts, lengths)
     if local is None:
         return PeerOutcome(write_direct(blocks), FALLBACK_OUTSIDE_PEER_MAP)
-    if batch_word(srcs, local, lengths) < target.transport.min_word:
-        return PeerOutcome(write_direct(blocks), PAGED_NARROW_ROWS)
     if not target.acquire():  # retired meanwhile: a newer map replaced it
         return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
     try:
@@ -587,7 +552,6 @@ class BoundLayout:
     src_pages: int  # pages every source buffer holds from page 0
     dst_pages: int  # pages every destination buffer holds from page 0, inside the peer map
     segments: np.ndarray  # int64 (entries x 5): the above as the paged copy's segment template
-    word: int  # the widest access every address and page size allows
     max_item: int
     page_bytes: int  # bytes one page pair moves over every entry
 
@@ -612,13 +576,7 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
         src_pages.append(room // n)
         dst_pages.append(found[1] // n)
     rows = np.array(entries, dtype=np.int64).reshape(-1, 3)
-    bits = 0
-    for e in entries:
-        bits |= e[0] | e[1] | e[2]
-    word = word_of(bits)
-    if word < target.transport.min_word:
-        return None, PAGED_NARROW_ROWS
-    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows), word,
+    return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows),
                        max(e[2] for e in entries), sum(e[2] for e in entries)), None
 
 
@@ -712,7 +670,7 @@ def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[Paged
 
 
 def _copy_of(bound: BoundLayout, p: np.ndarray, d: np.ndarray) -> PagedCopy:
-    return PagedCopy(bound.segments, p, d, bound.word, bound.max_item, bound.page_bytes,
+    return PagedCopy(bound.segments, p, d, bound.max_item, bound.page_bytes,
                      bound.src_pages, bound.dst_pages)
 
 
