@@ -219,11 +219,7 @@ def block_copy(srcs, dsts, lengths) -> PagedCopy:
                      int(n.max()) if len(n) else 0, int(n.sum()))
 
 
-def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order.
-
-    Raises ``PagesOutsideBuffers`` as the device copy does.
-    """
+def _blocks_of(copies: Sequence[PagedCopy], merge_runs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     outside = pages_outside(copies)
     if outside is not None:
         raise outside
@@ -231,14 +227,36 @@ def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, n
     for c in copies:
         if not len(c.entries) or not len(c.src_pages):
             continue
+        sp, dp = c.src_pages.astype(np.int64), c.dst_pages.astype(np.int64)
+        pages = np.ones(len(sp), dtype=np.int64)
+        if merge_runs:
+            starts = np.flatnonzero(np.r_[True, (sp[1:] != sp[:-1] + 1) | (dp[1:] != dp[:-1] + 1)])
+            pages = np.diff(np.r_[starts, len(sp)])
+            sp, dp = sp[starts], dp[starts]
         item = c.entries[:, 2:3]
-        sp, dp = c.src_pages.astype(np.int64)[None, :], c.dst_pages.astype(np.int64)[None, :]
-        parts.append(((c.entries[:, 0:1] + sp * item).ravel(), (c.entries[:, 1:2] + dp * item).ravel(),
-                      np.broadcast_to(item, (len(item), sp.shape[1])).ravel()))
+        parts.append(((c.entries[:, 0:1] + sp[None, :] * item).ravel(), (c.entries[:, 1:2] + dp[None, :] * item).ravel(),
+                      (pages[None, :] * item).ravel()))
     if not parts:
         empty = np.zeros(0, dtype=np.uint64)
         return empty, empty, empty
-    return tuple(np.concatenate([p[k] for p in parts]).view(np.uint64) for k in range(3))
+    return tuple(np.ascontiguousarray(np.concatenate([p[k] for p in parts])).view(np.uint64) for k in range(3))
+
+
+def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order.
+
+    Raises ``PagesOutsideBuffers`` as the device copy does.
+    """
+    return _blocks_of(copies, merge_runs=False)
+
+
+def merged_page_runs(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(srcs, dsts, lengths) of ``copies`` with pages consecutive on both sides merged into one entry
+    (what the host copier writes: one memmove per run).
+
+    Raises ``PagesOutsideBuffers`` before anything is built, as every copier does.
+    """
+    return _blocks_of(copies, merge_runs=True)
 
 
 class _PagedPlan(NamedTuple):
@@ -326,31 +344,6 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[
     if np.count_nonzero(words[len(plan.head):plan.words] >= plan.limits):
         raise pages_outside(copies) or BatchCopyError("paged copy page check disagrees with itself")
     return plan.programs, 8 * plan.words
-
-
-def merged_page_runs(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(srcs, dsts, lengths) of ``copies`` with pages consecutive on both sides merged into one entry
-    (what the host copier writes: one memmove per run).
-
-    Raises ``PagesOutsideBuffers`` before anything is built, as every copier does.
-    """
-    outside = pages_outside(copies)
-    if outside is not None:
-        raise outside
-    parts = []
-    for c in copies:
-        if not len(c.entries) or not len(c.src_pages):
-            continue
-        sp, dp = c.src_pages.astype(np.int64), c.dst_pages.astype(np.int64)
-        starts = np.flatnonzero(np.r_[True, (sp[1:] != sp[:-1] + 1) | (dp[1:] != dp[:-1] + 1)])
-        pages = np.diff(np.r_[starts, len(sp)])
-        item = c.entries[:, 2:3]
-        parts.append(((c.entries[:, 0:1] + sp[starts] * item).ravel(), (c.entries[:, 1:2] + dp[starts] * item).ravel(),
-                      (pages[None, :] * item).ravel()))
-    if not parts:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty, empty
-    return tuple(np.ascontiguousarray(np.concatenate([p[k] for p in parts])).view(np.uint64) for k in range(3))
 
 
 class HostBatchCopy:
