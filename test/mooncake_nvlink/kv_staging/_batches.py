@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import ctypes
+from typing import NamedTuple
+
 import numpy as np
 
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import paged_copy
+
+
+class HostBuffer(NamedTuple):
+    ptr: int
+    nbytes: int
+    keepalive: object
+
+
+def host_buffer(nbytes: int) -> HostBuffer:
+    """Zeroed host memory and its address."""
+    buf = ctypes.create_string_buffer(nbytes)
+    return HostBuffer(ctypes.addressof(buf), nbytes, buf)
 
 
 def random_batch(rng, src_base: int, src_size: int, dst_base: int, dst_size: int,

@@ -6,10 +6,8 @@ Design: docs/design/kv_staging.md.
 from __future__ import annotations
 
 import ctypes
-import operator
 import threading
 import time
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
@@ -24,20 +22,8 @@ class BatchCopyError(RuntimeError):
     """A batch could not be copied (bad arrays, allocation or device failure)."""
 
 
-@dataclass
-class Allocation:
-    """Memory a batch copier handed out; ``keepalive`` owns it."""
-
-    ptr: int
-    nbytes: int
-    keepalive: object
-
-
 class BatchCopy(Protocol):
     backend: str
-
-    def allocate(self, nbytes: int) -> Allocation:
-        """Zero-filled memory of the kind this copier works on."""
 
     def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
         """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
@@ -351,12 +337,6 @@ class HostBatchCopy:
 
     backend = "host"
 
-    def allocate(self, nbytes: int) -> Allocation:
-        if nbytes <= 0:
-            raise BatchCopyError(f"cannot allocate {nbytes} bytes")
-        buf = ctypes.create_string_buffer(int(nbytes))
-        return Allocation(ctypes.addressof(buf), int(nbytes), buf)
-
     def copy(self, srcs, dsts, lengths) -> None:
         s, d, n = as_batch(srcs, dsts, lengths)
         for src, dst, length in zip(s.tolist(), d.tolist(), n.tolist()):
@@ -448,30 +428,6 @@ class _Lane:
         return self.host_words
 
 
-def allocate_on(torch, device: int, nbytes: int) -> Allocation:
-    """``nbytes`` of zeroed device memory that is the base of its own CUDA allocation."""
-    try:
-        nbytes = operator.index(nbytes)
-    except TypeError:
-        raise BatchCopyError(f"cannot allocate {nbytes!r} bytes") from None
-    if nbytes <= 0:
-        raise BatchCopyError(f"cannot allocate {nbytes} bytes")
-    try:
-        # A pool of its own: the first allocation in a fresh pool is a fresh
-        # segment, so the pointer is an allocation base, which is what the
-        # transfer engine registers (a block split off a cached segment
-        # would not be).
-        pool = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(pool, device=device):
-            tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-        # Zeroed on the device's current stream; our streams do not wait for it.
-        torch.cuda.current_stream(device).synchronize()
-    except Exception as exc:  # out of memory, device failure
-        raise BatchCopyError(f"cannot allocate {nbytes} bytes on cuda:{device}: {exc}") from exc
-    return Allocation(tensor.data_ptr(), nbytes, (tensor, pool))
-
-
-
 class CudaBatchCopy:
     """Batched copies on one GPU: one Triton kernel launch per batch, after one small
     host-to-device copy of its launch table; ``copy``/``copy_pages`` return once it landed.
@@ -545,9 +501,6 @@ class CudaBatchCopy:
             return None if torch.equal(dst, want) else "copy differed"
         except Exception as exc:
             return f"failed: {exc}"
-
-    def allocate(self, nbytes: int) -> Allocation:
-        return allocate_on(self._torch, self.device, nbytes)
 
     def copy(self, srcs, dsts, lengths) -> None:
         """A block list, as one launch (each block a buffer of one page)."""
