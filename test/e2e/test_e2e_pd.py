@@ -29,6 +29,7 @@ import yaml
 from _e2e_server import PNG_1x1, Server, free_port, start_healthy, tiny_model  # noqa: F401
 from conftest import REPO_ROOT
 from _pd import DECODE_STEP_LINE, MOONCAKE_THROUGHPUT, Router, greedy, metric_total, pd_server
+from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR
 from sglang_dsv41.plugin.spec import Role
 from sglang_dsv41.plugin.table import owed_to
 
@@ -238,14 +239,38 @@ def test_override_with_media_through_the_router_never_reaches_the_servers(pd):
     test_e2e_single.py). Through sglang-router 0.3.2 there is nothing to refuse:
     its /generate request type has no ``positional_embed_overrides`` and drops
     it, so the pair serves the media-only request: the stock single server's
-    tokens for the request without the overrides. A router that forwards the
-    field fails this test; the refusal must then be asserted here."""
+    tokens for the request without the overrides, with nothing to tell the
+    client. A router that forwards the field fails this test; the refusal must
+    then be asserted here (the next case shows it once the field arrives)."""
     media_only = {"text": "a picture <emb> of a fox", "image_data": PNG_1x1,
                   "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     with_overrides = dict(media_only, positional_embed_overrides={"embeds": [[0.25] * 64], "positions": [1]})
     resp = pd.router.generate(with_overrides)
     assert resp.status_code == 200, resp.text
     assert resp.json()["output_ids"] == single_reference(pd, 4, media_only)
+
+
+def test_override_with_media_sent_as_is_to_the_pair_is_refused_as_on_a_single_server(pd, tmp_path):
+    """What docs/design/embed_overrides.md tells an operator to do for override
+    requests in PD: send the body as it is to a prefill and a decode with one
+    bootstrap room. The router package's MiniLB (``--mini-lb``) does exactly that
+    (test/embed_overrides/test_router_carriage.py). Each server's admission
+    refuses overrides with media as a single server does (400 naming the rule),
+    before anything is queued or bootstrapped."""
+    mini_lb = Router(pd.prefill, pd.bootstrap_port, [pd.decode], tmp_path / "mini-lb",
+                     extra_args=("--mini-lb",)).start()
+    try:
+        resp = mini_lb.generate({"text": "a picture <emb> of a fox", "image_data": PNG_1x1,
+                                 "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                                 "positional_embed_overrides": {"embeds": [[0.25] * 64], "positions": [1]}})
+    finally:
+        mini_lb.stop()
+    assert resp.status_code == 400, resp.text
+    assert ADMISSION_ERROR in resp.text, resp.text
+    for server in (pd.prefill, pd.decode):  # each refused it itself (sglang logs the 400's reason)
+        assert server.log().count(f"[http_server] Error: {ADMISSION_ERROR}") == 1, server.log_tail()
+    assert settle(pd.decode, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
+    assert settle(pd.prefill, PREFILL_STATE) == dict.fromkeys(PREFILL_STATE, 0)
 
 
 # --------------------------------------------------------------------------- faults
