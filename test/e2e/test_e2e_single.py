@@ -2,7 +2,10 @@
 
 The embedding-override admission patch refuses, through the real HTTP API, a
 request that carries overrides together with an image, and still serves the
-same overrides without the image. ``test_e2e_stock.py`` sends the same
+same overrides without the image. Overrides posted as JSON in
+``positional_embed_overrides`` (which sglang never turns into the object its
+scheduler expects, and which stops a stock server's scheduler) get a 400 and the
+server keeps serving. ``test_e2e_stock.py`` sends the same
 requests to a server started with the plugin filtered out.
 """
 
@@ -13,7 +16,7 @@ from collections import Counter
 import pytest
 
 from _e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
-from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR
+from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR, OVERRIDE_FORM_ERROR
 from sglang_dsv41.plugin.spec import Role
 from sglang_dsv41.plugin.table import owed_to
 
@@ -45,6 +48,17 @@ def test_override_without_media_is_served(server):
     assert len(data) == 2
     for item in data:
         assert len(item["embedding"]) == 64 and all(isinstance(x, float) for x in item["embedding"])
+
+
+@pytest.mark.parametrize("route", ["/encode", "/generate"])
+def test_json_overrides_without_media_are_refused_and_the_server_keeps_serving(server, route):
+    sent = {"embeds": [[0.25] * 64], "positions": [1]}
+    resp = server.post(route, {"text": "the lazy dog", "positional_embed_overrides": sent})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == OVERRIDE_FORM_ERROR.format(kind="dict")
+    plain = server.post("/encode", {"text": "the lazy dog"})
+    assert plain.status_code == 200, plain.text
+    assert len(plain.json()["embedding"]) == 64
 
 
 def test_each_role_prints_one_status_line(server):

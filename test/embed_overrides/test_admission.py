@@ -1,23 +1,41 @@
-"""Request admission: overrides together with image, video or audio are refused
-by the real TokenizerManager._validate_one_request, in the launcher's
-TokenizerManager and in a multi-tokenizer worker's TokenizerWorker."""
+"""Request admission: overrides together with image, video or audio, and overrides
+in a JSON form sglang never resolves, are refused by the real
+TokenizerManager._validate_one_request, in the launcher's TokenizerManager and in
+a multi-tokenizer worker's TokenizerWorker."""
 
 from __future__ import annotations
 
 import json
+from array import array
 from types import SimpleNamespace
 
+import pydantic
 import pytest
 
 from conftest import run_python
-from embed_harness import hooks_installed, vec
+from embed_harness import hooks_installed, publish_scheduler_context, vec
 from sglang.srt.managers.embed_types import PositionalEmbeds
-from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    EmbeddingReqInput,
+    GenerateReqInput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.session.session_controller import SessionController
 from sglang.srt.runtime_context import publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
 REFUSED = "overrides cannot be combined with image, video, or audio"
+NOT_RESOLVED = "positional_embed_overrides must be a PositionalEmbeds object"
+# What a client can post in the field: a JSON object, the struct's array form,
+# or a list of either (the batch form).
+JSON_OVERRIDES = {
+    "object": {"embeds": [[0.25] * 4], "positions": [1]},
+    "array": [[[0.25] * 4], [1]],
+    "list-of-objects": [{"embeds": [[0.25] * 4], "positions": [1]}],
+}
 
 
 def _manager(cls=TokenizerManager, *, is_generation=True):
@@ -113,6 +131,52 @@ def test_stock_sglang_accepts_the_combination(tokenizer_context):
     manager._validate_one_request(req, req.input_ids)
 
 
+def _from_json(cls, body: dict):
+    """The request as the HTTP server builds it from a posted body (FastAPI
+    validates a dataclass body with pydantic): the field is typed Any, so the
+    JSON value is kept as it came."""
+    return pydantic.TypeAdapter(cls).validate_python(body)
+
+
+@pytest.mark.parametrize("cls", [GenerateReqInput, EmbeddingReqInput])
+@pytest.mark.parametrize("sent", JSON_OVERRIDES.values(), ids=JSON_OVERRIDES.keys())
+def test_json_overrides_without_media_are_refused(tokenizer_context, cls, sent):
+    manager = _manager(is_generation=cls is GenerateReqInput)
+    req = _from_json(cls, {"input_ids": [10, 50, 20], "positional_embed_overrides": sent})
+    with hooks_installed({"EMB-ADMIT"}):
+        with pytest.raises(ValueError, match=NOT_RESOLVED):
+            manager._validate_one_request(req, req.input_ids)
+
+
+def test_stock_hands_json_overrides_to_a_scheduler_intake_that_raises(tokenizer_context):
+    """Control: 0.5.23 admits the JSON object, and the scheduler's intake calls
+    PositionalEmbeds.reconstruct on it outside any per-request error handling.
+    Raised there, the error leaves the scheduler's event loop and the whole
+    server goes down (what a real CPU server does)."""
+    manager = _manager()
+    sent = {
+        "input_ids": [10, 50, 20], "sampling_params": {},
+        "positional_embed_overrides": JSON_OVERRIDES["object"],
+    }
+    req = _from_json(GenerateReqInput, sent)
+    manager._validate_one_request(req, req.input_ids)
+
+    publish_scheduler_context()
+    tokenized = TokenizedGenerateReqInput(
+        rid="json-overrides", input_text=None, input_ids=array("i", req.input_ids),
+        input_embeds=None, mm_inputs=None, token_type_ids=None,
+        sampling_params=SamplingParams(), return_logprob=False, logprob_start_len=-1,
+        top_logprobs_num=0, token_ids_logprob=None, stream=False,
+        positional_embed_overrides=req.positional_embed_overrides,
+    )
+    scheduler = Scheduler.__new__(Scheduler)
+    # what the intake reads before it reaches the overrides
+    scheduler.session_controller = SessionController(tree_cache=None)
+    scheduler.scheduler_stage_metrics = None
+    with pytest.raises(AttributeError, match="'dict' object has no attribute 'reconstruct'"):
+        scheduler.process_input_requests([tokenized])
+
+
 WORKER_PROCESS = """
 import json
 # A multi-tokenizer worker loads the plugins through our worker app (the
@@ -144,6 +208,10 @@ cases = {
     "embedding": (False, EmbeddingReqInput(
         input_ids=[10, 50, 20], sampling_params={}, image_data=["image.png"],
         embed_override_token_id=50, embed_overrides=[torch.ones(4)])),
+    # posted JSON, no media
+    "json": (True, GenerateReqInput(
+        input_ids=[10, 50, 20], sampling_params={},
+        positional_embed_overrides={"embeds": [[1.0] * 4], "positions": [1]})),
 }
 for name, (is_generation, req) in cases.items():
     worker.is_generation = is_generation
@@ -167,4 +235,5 @@ def test_multi_tokenizer_worker_refuses_the_combination():
     out = json.loads(line[len("RESULT"):])
     assert REFUSED in out["generate"], out
     assert REFUSED in out["embedding"], out
+    assert NOT_RESOLVED in out["json"], out
     assert "EMB-ADMIT" in out["applied"] and out["missing"] == []

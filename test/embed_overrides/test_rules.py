@@ -109,3 +109,24 @@ def test_admission_refuses_only_the_combination():
         rules.check_request_admission(has_overrides=True, has_multimodal_input=True)
     for flags in [(True, False), (False, True), (False, False)]:
         rules.check_request_admission(has_overrides=flags[0], has_multimodal_input=flags[1])
+
+
+class _Resolved:
+    """Plays PositionalEmbeds: the rule is given the type, so it needs no sglang."""
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [{"embeds": [[0.5]], "positions": [1]}, [[[0.5]], [1]], [{"embeds": [[0.5]], "positions": [1]}]],
+    ids=["object", "array", "list-of-objects"],
+)
+def test_override_form_refuses_what_a_json_body_carries(sent):
+    with pytest.raises(ValueError) as refused:
+        rules.check_override_form(sent, _Resolved)
+    assert str(refused.value).startswith("positional_embed_overrides must be a PositionalEmbeds")
+    assert f"got {type(sent).__name__}:" in str(refused.value)
+
+
+def test_override_form_admits_no_overrides_and_the_resolved_type():
+    rules.check_override_form(None, _Resolved)
+    rules.check_override_form(_Resolved(), _Resolved)

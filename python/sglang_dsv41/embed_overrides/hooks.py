@@ -17,9 +17,12 @@ logger = logging.getLogger(__name__)
 
 
 def before_validate_one_request(self, obj, input_ids):
-    """BEFORE TokenizerManager._validate_one_request: refuse overrides + media."""
+    """BEFORE TokenizerManager._validate_one_request: refuse overrides that are not
+    a PositionalEmbeds, and overrides + media."""
+    from sglang.srt.managers.embed_types import PositionalEmbeds
     from sglang.srt.managers.io_struct import EmbeddingReqInput
 
+    rules.check_override_form(obj.positional_embed_overrides, PositionalEmbeds)
     has_overrides = rules.has_embed_overrides(
         obj.positional_embed_overrides,
         embed_overrides=getattr(obj, "embed_overrides", None),

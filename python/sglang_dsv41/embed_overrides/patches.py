@@ -26,6 +26,10 @@ PATCHES: tuple[Patch, ...] = (
         "overrides (positional_embed_overrides, or an embedding request's unresolved "
         "embed_overrides + embed_override_token_id pair) together with image, video or audio "
         "input: the base embedding lookup of overrides cannot index placeholder hash ids. "
+        "Also refuse, with or without media, overrides that are not a PositionalEmbeds: sglang "
+        "keeps a JSON positional_embed_overrides as posted (a dict or list), and the scheduler's "
+        "intake calls PositionalEmbeds.reconstruct on it outside any per-request error handling, "
+        "which stops the scheduler and the server. "
         "TokenizerWorker inherits the method, so multi-tokenizer workers refuse it too.",
         source="the original fork's managers/tokenizer_manager.py (_validate_one_request)",
         signature="(self, obj: Union[GenerateReqInput, EmbeddingReqInput], input_ids: List[int])",

@@ -21,6 +21,13 @@ BATCH_ERROR = (
     "placeholder hash ids outside the vocabulary"
 )
 
+OVERRIDE_FORM_ERROR = (
+    "positional_embed_overrides must be a PositionalEmbeds object, got {kind}: sglang "
+    "builds none from a JSON request body, so only the in-process Engine API can pass "
+    "one (for an embedding model, /v1/embeddings takes embed_overrides with "
+    "embed_override_token_id)"
+)
+
 SELF_CONFLICT_ERROR = (
     "request {rid} carries both embedding overrides and multimodal inputs; "
     "this combination is not supported and the request is aborted"
@@ -48,6 +55,20 @@ def has_embed_overrides(
         and embed_overrides is not None
         and embed_override_token_id is not None
     )
+
+
+def check_override_form(positional_embed_overrides: object, positional_embeds_type: type) -> None:
+    """Raise ValueError unless one request's overrides are absent or a ``positional_embeds_type``.
+
+    The scheduler calls a method of that type on whatever arrives (a JSON object
+    arrives as a dict), before any per-request error handling: anything else stops
+    the scheduler, and the server with it, for every client.
+    """
+    if positional_embed_overrides is None:
+        return
+    if isinstance(positional_embed_overrides, positional_embeds_type):
+        return
+    raise ValueError(OVERRIDE_FORM_ERROR.format(kind=type(positional_embed_overrides).__name__))
 
 
 def check_request_admission(*, has_overrides: bool, has_multimodal_input: bool) -> None:
