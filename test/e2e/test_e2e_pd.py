@@ -29,7 +29,7 @@ import yaml
 from _e2e_server import PNG_1x1, Server, free_port, start_healthy, tiny_model  # noqa: F401
 from conftest import REPO_ROOT
 from _pd import DECODE_STEP_LINE, MOONCAKE_THROUGHPUT, Router, greedy, metric_total, pd_server
-from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR
+from sglang_dsv41.embed_overrides.rules import OVERRIDE_FORM_ERROR
 from sglang_dsv41.plugin.spec import Role
 from sglang_dsv41.plugin.table import owed_to
 
@@ -255,8 +255,8 @@ def test_override_with_media_sent_as_is_to_the_pair_is_refused_as_on_a_single_se
     requests in PD: send the body as it is to a prefill and a decode with one
     bootstrap room. The router package's MiniLB (``--mini-lb``) does exactly that
     (test/embed_overrides/test_router_carriage.py). Each server's admission
-    refuses overrides with media as a single server does (400 naming the rule),
-    before anything is queued or bootstrapped."""
+    refuses the overrides as a single server does (posted as JSON they are never
+    sglang's object: test_e2e_single.py), before anything is queued or bootstrapped."""
     mini_lb = Router(pd.prefill, pd.bootstrap_port, [pd.decode], tmp_path / "mini-lb",
                      extra_args=("--mini-lb",)).start()
     try:
@@ -265,10 +265,11 @@ def test_override_with_media_sent_as_is_to_the_pair_is_refused_as_on_a_single_se
                                  "positional_embed_overrides": {"embeds": [[0.25] * 64], "positions": [1]}})
     finally:
         mini_lb.stop()
+    refusal = OVERRIDE_FORM_ERROR.format(kind="dict")
     assert resp.status_code == 400, resp.text
-    assert ADMISSION_ERROR in resp.text, resp.text
+    assert refusal in resp.text, resp.text
     for server in (pd.prefill, pd.decode):  # each refused it itself (sglang logs the 400's reason)
-        assert server.log().count(f"[http_server] Error: {ADMISSION_ERROR}") == 1, server.log_tail()
+        assert server.log().count(f"[http_server] Error: {refusal}") == 1, server.log_tail()
     assert settle(pd.decode, DECODE_STATE) == dict.fromkeys(DECODE_STATE, 0)
     assert settle(pd.prefill, PREFILL_STATE) == dict.fromkeys(PREFILL_STATE, 0)
 
