@@ -155,6 +155,9 @@ class Server:
             "--max-total-tokens", "4096",
             "--skip-server-warmup",
             "--random-seed", "0",
+            # An idle scheduler otherwise spins on its sockets: a module's shared servers
+            # would take most of the 2-core CI machine while other cases run.
+            "--sleep-on-idle",
         ]
         if self.embedding:
             cmd.append("--is-embedding")

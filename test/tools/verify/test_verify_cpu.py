@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 CLI = str(Path(sys.executable).parent / "sglang-dsv41")
 E2E = REPO_ROOT / "test" / "e2e"
 CPU_ARGS = ("--attention-backend torch_native --sampling-backend pytorch --max-total-tokens 4096 "
-            "--skip-server-warmup")
+            "--skip-server-warmup --sleep-on-idle")  # an idle scheduler otherwise spins
 
 
 @pytest.fixture(scope="module")
