@@ -24,26 +24,18 @@ engine pair and buffers, in interleaved rounds:
               the engine) per prefill chunk's KV batch, then one per state call;
 - routed:     the same batches through ``TransferRouter.route``;
 - contiguous: one write of the request's total bytes as a single block;
-- peer:       peer writes (``SGLANG_DSV41_KV_STAGING=peer``): the receiver
-              exports its destination buffers (CUDA IPC on the GPU, its host
-              memory for ``process_vm_writev`` in CPU mode) and hands the map
-              over in the handshake; the sender routes, then writes each
-              batch of at least --peer-min-blocks device blocks with one
-              batched copy straight into the receiver's buffers, smaller
-              batches the direct way (--no-peer leaves it out);
-- pages:      the plugin's page path for peer writes: each send call as sglang
-              makes it (buffers, bytes per page, int32 page arrays) written with
-              ``send_paged_batch``, no block list, no router pass; the call's
-              layout is built and checked beforehand, as the plugin does once
-              per kind of call; a call under --peer-min-blocks blocks goes as
-              ``peer``;
-- held:       as the plugin sends a request on a transfer worker in peer mode:
-              the KV calls of earlier chunks as in ``pages``, then the last
-              chunk's KV call and the state calls held (``PeerWrites``) and
-              written as one batch, as before the request's status. A table
-              after it shows where a held request's time goes (earlier chunks,
-              holding, the write; on a GPU also the host's part of the write
-              before its synchronize).
+- held:       peer writes (``SGLANG_DSV41_KV_STAGING=peer``) as the plugin
+              sends a request on a transfer worker: the receiver exports its
+              destination buffers (CUDA IPC on the GPU, its host memory for
+              ``process_vm_writev`` in CPU mode, test/helpers/host_peer.py) and
+              hands the map over in the handshake; the sender writes the KV
+              calls of earlier chunks each at once from their page lists
+              (``PeerWrites``), then holds the last chunk's KV call and the
+              state calls and writes them as one batch, as before the
+              request's status (--no-peer leaves it out). Each call's layout
+              is built and checked beforehand, as the plugin does once per
+              kind of call. A table after it shows where a held request's
+              time goes (earlier chunks, holding, the write).
 The paths take turns request by request; a time is the median over rounds of
 each round's median, routed/stock the median over rounds of each round's ratio.
 
@@ -432,19 +424,20 @@ def setup_dsv41(args, sender: bool):
 def peer_transport(args):
     """The peer-write transport of this side, or None when the peer path is left out.
 
-    GPU: CUDA IPC handles of the receiver's buffers, batches written with the
-    batched copy on this process's GPU. CPU: the receiver's host memory, written
-    with process_vm_writev.
+    GPU: CUDA IPC handles of the receiver's buffers, written with the paged
+    copy on this process's GPU. CPU: the receiver's host memory, written with
+    process_vm_writev.
     """
     if args.pattern != "dsv41" or args.no_peer:
         return None
-    from sglang_dsv41.mooncake_nvlink.kv_staging import peer as peer_copy
-
     if args.mode == "gpu":
         from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
+        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport
 
-        return peer_copy.CudaIpcTransport(batch_copy_for(args.gpu), args.gpu)
-    return peer_copy.HostCmaTransport()
+        return CudaIpcTransport(batch_copy_for(args.gpu), args.gpu)
+    from host_peer import HostCmaTransport  # the tests' stand-in for the GPU
+
+    return HostCmaTransport()
 
 
 def encode_peer_frames(frames: list[bytes]) -> list[str]:
@@ -530,72 +523,44 @@ def run_dsv41_sender(args) -> None:
     def routed(blocks):
         return router.route(blocks, funnel, lambda: side)
 
-    peer_path, peer_counts = None, {}
+    held_request, peer_counts = None, {}
     transport = peer_transport(args)
     if transport is not None and peer.get("peer_map"):
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import find_peer_map, send_peer_batch
+        import numpy as np
+
+        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerWrites, bind_layout, find_peer_map
 
         peer_map = find_peer_map(decode_peer_frames(peer["peer_map"]))
         if peer_map is None:
             raise RuntimeError("the receiver's peer-map frames hold no peer map")
         target = transport.open(peer_map)
-
-        def peer_device(blocks):
-            outcome = send_peer_batch(blocks, target, args.peer_min_blocks, funnel)
-            way = outcome.fallback or "peer"  # how each batch went: a peer write or why not
-            peer_counts[way] = peer_counts.get(way, 0) + 1
-            return outcome.rc
-
-        def peer_path(blocks):  # as in production: routing first, peer writes for the device blocks
-            return router.route(blocks, peer_device, lambda: side)
-
-        import numpy as np
-
-        from sglang_dsv41.mooncake_nvlink.routing import KindTable
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerWrites, bind_layout, send_paged_batch
-
         kinds = KindTable(plan.classified, memory.kind_of)
+        writes = PeerWrites()
 
-        def pages_request(paged):
-            """As the plugin's page path: each send call from its page lists, else its blocks as ``peer``."""
-            def run():
-                for bound, src_pages, dst_pages, blocks in paged:
-                    out = send_paged_batch(bound, src_pages, dst_pages, args.peer_min_blocks)
-                    if out.fallback is None:
-                        peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
-                        continue
-                    rc = peer_path(blocks)
-                    if rc != 0:
-                        return rc
-                return 0
-            return run
-
-        held = PeerWrites()
-        copier = getattr(transport, "copier", None)
+        def add(bound, src_pages, dst_pages):
+            why_not = writes.add_pages(bound, src_pages, dst_pages)
+            if why_not is not None:
+                writes.discard()
+                raise RuntimeError(f"a call was refused: {why_not}")
+            peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
 
         def held_request(paged, kv_calls):
-            """As the plugin sends a request in peer mode: the KV of earlier chunks at once, then the
-            last chunk's KV and the state calls held and written as one batch (before the status)."""
+            """As the plugin sends a request in peer mode: the KV of earlier chunks each at once, then
+            the last chunk's KV and the state calls held and written as one batch (before the status)."""
             earlier, last = paged[:max(kv_calls - 1, 0)], paged[max(kv_calls - 1, 0):]
-            run_earlier = pages_request(earlier)
 
             def run():
                 t0 = time.perf_counter()
-                rc = run_earlier()
-                if rc != 0:
-                    return rc
+                for call in earlier:
+                    add(*call)
+                    writes.flush()
                 t1 = time.perf_counter()
-                for bound, src_pages, dst_pages, blocks in last:
-                    why_not = held.add_pages(bound, src_pages, dst_pages)
-                    if why_not is not None:
-                        held.discard()
-                        raise RuntimeError(f"a held call was refused: {why_not}")
-                    peer_counts["peer_pages"] = peer_counts.get("peer_pages", 0) + 1
+                for call in last:
+                    add(*call)
                 t2 = time.perf_counter()
-                held.flush()
+                writes.flush()
                 t3 = time.perf_counter()
-                # the GPU copier clocks its own part of the write up to the synchronize
-                held_phases.append((t1 - t0, t2 - t1, t3 - t2, getattr(copier, "last_submit_s", None)))
+                held_phases.append((t1 - t0, t2 - t1, t3 - t2))
                 peer_counts["held_writes"] = peer_counts.get("held_writes", 0) + 1
                 return 0
             return run
@@ -610,7 +575,7 @@ def run_dsv41_sender(args) -> None:
         return run
 
     rows = []
-    held_phases: list[tuple] = []  # per held request: earlier chunks, holding, the write, its submit
+    held_phases: list[tuple] = []  # per held request: earlier chunks, holding, the write
     for name, tokens, layout in DSV41_CASES:
         if args.cases and name not in args.cases:
             continue
@@ -621,19 +586,17 @@ def run_dsv41_sender(args) -> None:
         flat = [[(src_addrs[FLAT_BUFFER], dst_addrs[FLAT_BUFFER], nbytes)]]
         paths = {"stock": request(funnel, batches), "routed": request(routed, batches),
                  "contiguous": request(funnel, flat)}
-        if peer_path is not None:
-            paths["peer"] = request(peer_path, batches)
+        if held_request is not None:
             # the layouts the plugin learns and checks once per kind of call, and sglang's int32 page arrays
             paged, kv_calls = [], 0
-            for (bufs, items, sp, dp), blocks in zip(dsv41_paged_calls(tokens, layout), batches):
+            for bufs, items, sp, dp in dsv41_paged_calls(tokens, layout):
                 kv_calls += bufs[0] == 0  # the KV buffers come first in the index space
                 bound, why_not = bind_layout(
                     PagedLayout.of([(src_addrs[b], dst_addrs[b], item) for b, item in zip(bufs, items)]),
                     target, kinds.device_bytes_from)
                 if bound is None:
                     raise RuntimeError(f"{name}: the page path cannot serve a call of this request: {why_not}")
-                paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32), blocks))
-            paths["pages"] = pages_request(paged)
+                paged.append((bound, np.array(sp, dtype=np.int32), np.array(dp, dtype=np.int32)))
             paths["held"] = held_request(paged, kv_calls)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
@@ -659,8 +622,7 @@ def run_dsv41_sender(args) -> None:
         # Byte-exact: clear the receiver, move the request once through each moving path.
         all_spans = [sp for batch in spans for sp in batch]
         exact = True
-        moving = ["routed"]
-        moving += ["peer", "pages", "held"] if peer_path is not None else []
+        moving = ["routed"] + (["held"] if held_request is not None else [])
         ways_of = {}
         for k in moving:
             channel.send([b"CLEAR"])
@@ -683,25 +645,22 @@ def run_dsv41_sender(args) -> None:
         row["stock_x_contiguous"] = row["stock_us"] / row["contiguous_us"]
         row["routed_x_contiguous"] = row["routed_us"] / row["contiguous_us"]
         row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
-        for k in ("peer", "pages", "held") if peer_path is not None else ():
+        for k in ("held",) if held_request is not None else ():
             row[f"{k}_x_contiguous"] = row[f"{k}_us"] / row["contiguous_us"]
             row[f"{k}_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples[k]))
-            row[f"{k}_batches"] = ways_of[k]  # of the byte-exact request: how each call or batch went
+            row[f"{k}_batches"] = ways_of[k]  # of the byte-exact request: how its calls went
         if held_phases:
-            earlier, hold, write, submit = zip(*held_phases)
+            earlier, hold, write = zip(*held_phases)
             row["held_phases_us"] = {"earlier": statistics.median(earlier) * 1e6,
                                      "hold": statistics.median(hold) * 1e6,
                                      "write": statistics.median(write) * 1e6}
-            if None not in submit:
-                row["held_phases_us"]["write_submit"] = statistics.median(submit) * 1e6
         rows.append(row)
         log(f"  {name}: {row['blocks']} blocks, {nbytes / 1e6:.1f} MB: stock {row['stock_us']:.0f} us, "
             f"routed {row['routed_us']:.0f} us, contiguous {row['contiguous_us']:.0f} us, "
             f"routed/stock {row['routed_over_stock']:.3f}"
-            + (f", peer {row['peer_us']:.0f} us ({row['peer_x_contiguous']:.1f}x contiguous), pages "
-               f"{row['pages_us']:.0f} us ({row['pages_x_contiguous']:.1f}x), held {row['held_us']:.0f} us "
-               f"({row['held_x_contiguous']:.1f}x)" if peer_path is not None else "")
+            + (f", held {row['held_us']:.0f} us ({row['held_x_contiguous']:.1f}x contiguous)"
+               if held_request is not None else "")
             + f", exact {exact}")
     # The side channel's own round trip.
     pings = []
@@ -730,9 +689,8 @@ def print_dsv41(run: dict, title: str, gpu: bool = True) -> None:
               f"{r['stock_us']:9.0f} {r['routed_us']:10.0f} {r['contiguous_us']:10.0f} "
               f"{r['routed_over_stock']:13.3f} {r['stock_x_contiguous']:14.1f}x {per_block:9.2f} "
               f"{r['python_routed_us'] - r['python_stock_us']:7.1f} {str(r['byte_exact']):>6}")
-    for path in ("peer", "pages", "held"):
-        if not any(f"{path}_us" in r for r in run["rows"]):
-            continue
+    if any("held_us" in r for r in run["rows"]):
+        path = "held"
         print(f"\n{'request':>16} {path + ' us':>9} {'contig us':>10} {path + ' x contig':>15} "
               f"{'stock x contig':>15} {'stock/' + path:>12}  ways")
         for r in run["rows"]:
@@ -740,21 +698,11 @@ def print_dsv41(run: dict, title: str, gpu: bool = True) -> None:
             print(f"{r['case']:>16} {r[f'{path}_us']:9.0f} {r['contiguous_us']:10.0f} "
                   f"{r[f'{path}_x_contiguous']:14.1f}x {r['stock_x_contiguous']:14.1f}x "
                   f"{r[f'{path}_over_stock']:12.2f}  {ways}")
-        if path == "peer":
-            print(f"peer: routing, then one batched copy into the receiver's exported buffers per batch of "
-                  f">= {run.get('peer_min_blocks', '?')} device blocks, smaller batches direct; ways: how "
-                  "one request's device batches went (peer write, or the direct path and why)")
-        elif path == "pages":
-            print("pages: each send call written on its own from its page lists with one launch of the "
-                  "paged kernel (no block list, no router pass), calls under the threshold as peer; "
-                  "ways: peer_pages per call so written")
-        else:
-            print("held: what the plugin does on a transfer worker: earlier chunks' KV calls as in pages, "
-                  "the last chunk's KV call and the state calls held and written as one batch; ways: "
-                  "calls, and held writes (one per request)")
-            print_held_phases(run["rows"])
-        print_peer_goals({r["case"]: r[f"{path}_x_contiguous"] for r in run["rows"] if f"{path}_us" in r},
-                         path=path, gpu=gpu)
+        print("held: what the plugin does on a transfer worker: earlier chunks' KV calls each written at "
+              "once from their page lists, the last chunk's KV call and the state calls held and written "
+              "as one batch; ways: calls, and held writes (one per request)")
+        print_held_phases(run["rows"])
+        print_peer_goals({r["case"]: r[f"{path}_x_contiguous"] for r in run["rows"]}, path=path, gpu=gpu)
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
           "in Python alone (engine call replaced by a no-op)")
 
@@ -764,17 +712,12 @@ def print_held_phases(rows) -> None:
     rows = [r for r in rows if "held_phases_us" in r]
     if not rows:
         return
-    gpu = all("write_submit" in r["held_phases_us"] for r in rows)
-    print(f"\n{'request':>16} {'earlier us':>11} {'hold us':>8} {'write us':>9}"
-          + (f" {'submitted':>10} {'waited':>7}" if gpu else ""))
+    print(f"\n{'request':>16} {'earlier us':>11} {'hold us':>8} {'write us':>9}")
     for r in rows:
         ph = r["held_phases_us"]
-        print(f"{r['case']:>16} {ph['earlier']:11.1f} {ph['hold']:8.1f} {ph['write']:9.1f}"
-              + (f" {ph['write_submit']:10.1f} {ph['write'] - ph['write_submit']:7.1f}" if gpu else ""))
+        print(f"{r['case']:>16} {ph['earlier']:11.1f} {ph['hold']:8.1f} {ph['write']:9.1f}")
     print("earlier: the KV of earlier chunks, each written at once; hold: the last chunk's calls held; "
-          "write: the held calls written as one"
-          + ("; submitted: of the write, the launch table and its launch (host time before "
-             "the synchronize); waited: the rest, mostly the synchronize" if gpu else ""))
+          "write: the held calls written as one")
 
 
 def summarize_dsv41(runs: list[dict]) -> list[dict]:
@@ -786,8 +729,6 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
                     "stock_us", "routed_us", "contiguous_us",
-                    "peer_us", "peer_x_contiguous", "peer_over_stock",
-                    "pages_us", "pages_x_contiguous", "pages_over_stock",
                     "held_us", "held_x_contiguous", "held_over_stock"):
             if key not in first:
                 continue
@@ -811,8 +752,6 @@ def run_pair(args, protocol: str, register: str, engine_only: bool, peer_gpu: in
               "--channel", args.channel, "--pattern", args.pattern]
     if args.no_peer:
         common.append("--no-peer")
-    if args.peer_min_blocks is not None:
-        common += ["--peer-min-blocks", str(args.peer_min_blocks)]
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--gpu", str(args.gpu), *common],
                           env=env, stdout=subprocess.PIPE, text=True)
     line = rx.stdout.readline()
@@ -861,9 +800,6 @@ def main() -> None:
                    help="dsv41: run only this request case (repeatable), e.g. '32k fragmented'")
     p.add_argument("--repeat", type=int, default=1, help="dsv41: independent runs (fresh processes)")
     p.add_argument("--no-peer", action="store_true", help="dsv41: leave the peer-write path out")
-    p.add_argument("--peer-min-blocks", type=int, default=None,
-                   help="dsv41: fewest device blocks a batch needs for a peer write (default: "
-                   "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS's default under SGLANG_DSV41_KV_STAGING=peer)")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     # internal (child processes)
     p.add_argument("--role", choices=["receiver", "sender"])
@@ -943,12 +879,6 @@ def main_dsv41(args) -> None:
         sys.exit("error: --repeat, --rounds and --iters must be at least 1")
     args.channel = args.channel or Channel.available()
     args.iters = args.iters or (20 if gpu else 3)
-    if args.peer_min_blocks is None:
-        from sglang_dsv41.mooncake_nvlink.kv_staging.setting import DEFAULT_MIN_BLOCKS
-
-        args.peer_min_blocks = DEFAULT_MIN_BLOCKS
-    if args.peer_min_blocks < 1:
-        sys.exit("error: --peer-min-blocks must be at least 1")
     args.device_mib = args.device_mib or 1
     args.host_mib = args.host_mib or 1
     peer_gpu = args.gpu if args.peer_gpu is None else args.peer_gpu
@@ -958,7 +888,6 @@ def main_dsv41(args) -> None:
     for i in range(args.repeat):
         log(f"[{args.mode}] DeepSeek-V4.1 requests, {protocol}, {where}, run {i + 1} of {args.repeat}")
         runs.append(run_pair(args, protocol, "device", engine_only=False, peer_gpu=peer_gpu))
-        runs[-1]["peer_min_blocks"] = None if args.no_peer else args.peer_min_blocks
         print_dsv41(runs[-1], f"DeepSeek-V4.1 request pattern, run {i + 1} of {args.repeat} ({args.mode} "
                     f"mode, {protocol}, {where}; paths in turns, {args.rounds} rounds x {args.iters} requests, "
                     f"times: median of the round medians, routed/stock: median of the round ratios; "
@@ -971,7 +900,7 @@ def main_dsv41(args) -> None:
             ros, sxc = e["routed_over_stock"], e["stock_x_contiguous"]
             print(f"{e['case']:>16} {ros['median']:10.3f} [{ros['min']:.3f} - {ros['max']:.3f}] "
                   f"{sxc['median']:9.1f}x [{sxc['min']:.1f} - {sxc['max']:.1f}] {str(e['byte_exact']):>6}")
-        for path in ("peer", "pages", "held"):
+        for path in ("held",):
             if f"{path}_x_contiguous" not in summary[0]:
                 continue
             print(f"\n{'request':>16} {path + ' us':>24} {path + ' x contiguous':>24} {'stock / ' + path:>24}")
@@ -988,8 +917,7 @@ def main_dsv41(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": args.mode, "protocol": protocol, "where": where, "rounds": args.rounds,
-                       "iters": args.iters, "peer_min_blocks": None if args.no_peer else args.peer_min_blocks,
-                       "runs": runs, "summary": summary}, f, indent=1)
+                       "iters": args.iters, "peer": not args.no_peer, "runs": runs, "summary": summary}, f, indent=1)
     if not exact:
         sys.exit(1)
 

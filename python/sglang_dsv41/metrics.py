@@ -71,12 +71,13 @@ SERIES: Tuple[Series, ...] = (
            "Host-block transfers not delivered (send) or messages dropped by the receiver "
            "(receive).", "send, receive"),
     Series("kv_staging_batches", "counter", "path",
-           "Prefill, peer writes on: device transfer batches by path: peer (one batch of "
-           "sglang's blocks as one peer write straight into the decode's KV), peer_pages (a "
-           "whole KV or state send written from its page lists, no block list), failed (a "
-           "failed peer write: that request's transfer failed), or the direct path, labelled "
-           "with why no peer write was used.",
-           "peer, peer_pages, failed, few_blocks, no_peer_map, peer_map_unusable, outside_peer_map"),
+           "Prefill, peer writes on: peer_pages (a whole KV or state send written from its page "
+           "lists straight into the decode's KV, no block list), failed (a failed peer write, or a "
+           "page outside its buffers: that request's transfer failed), or a device batch sglang "
+           "built that went the direct way, labelled with why (block_path: a send the page path "
+           "does not cover).",
+           "peer_pages, failed, few_blocks, block_path, no_peer_map, peer_map_unusable, outside_peer_map, "
+           "source_not_device, not_pages"),
     Series("kv_staging_held_writes", "counter", "outcome",
            "Prefill, peer mode: a request's last sends (final KV chunk, state) held and written "
            "as one peer write before its status: written, failed (the request's transfer "

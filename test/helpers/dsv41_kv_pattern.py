@@ -132,7 +132,7 @@ def dsv41_buffer_sizes() -> list[int]:
 PEER_GOALS = (("32k fragmented", 3.0), ("8k contiguous", 2.0))
 
 
-def print_peer_goals(peer_x_contiguous: dict, over: str = "", path: str = "peer", gpu: bool = True) -> None:
+def print_peer_goals(peer_x_contiguous: dict, over: str = "", path: str = "held", gpu: bool = True) -> None:
     """The goals are set for GPU memory over NVLink; CPU mode moves its bytes other ways (TCP,
     process_vm_writev), so there they are shown but not judged."""
     for case, limit in PEER_GOALS:

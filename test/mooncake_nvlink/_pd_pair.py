@@ -164,7 +164,6 @@ class Side:
             from sglang_dsv41.mooncake_nvlink import hooks as mooncake_nvlink
 
             mooncake_nvlink.set_memory_access(InjectedKinds(self.device_regions))
-        self.copier = None
         if STAGING is not None:
             self.setup_staging()
 
@@ -217,38 +216,20 @@ class Side:
             "host_regions": [list(r) for r in self.host_regions],
         }
 
-    # --- KV peer writes (opt-in): settings, the copier and transport stand-ins
+    # --- KV peer writes (opt-in): settings and the transport's stand-in
 
     def setup_staging(self):
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, HostBatchCopy
         from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 
         os.environ.update({k: str(v) for k, v in STAGING.get("env", {}).items()})
-
-        class CountingCopy(HostBatchCopy):
-            """Host memory copies (no GPU here), counted."""
-
-            calls = 0
-
-            def copy(self, srcs, dsts, lengths):
-                type(self).calls += 1
-                return super().copy(srcs, dsts, lengths)
-
-        class NoCopierOnDecode:
-            """A decode in peer mode only exports: asking it for a copier is a failure."""
-
-            def __getattr__(self, name):
-                raise BatchCopyError("the decode side asked for a copier")
-
-        self.copier = CountingCopy() if self.prefill else NoCopierOnDecode()
-        kv_staging.set_batch_copy(self.copier)
         kv_staging.set_peer_transport(self.peer_transport())
 
     def peer_transport(self):
         """Cross-process host writes (process_vm_writev): peer writes without a GPU."""
         import dataclasses
 
-        from sglang_dsv41.mooncake_nvlink.kv_staging.peer import HostCmaTransport
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "helpers"))
+        from host_peer import HostCmaTransport
 
         fail_at = STAGING.get("fail_peer_write_at") if self.prefill else None
         foreign = STAGING.get("foreign_host") and not self.prefill
@@ -260,11 +241,11 @@ class Side:
                 peer = super().export(regions)
                 return dataclasses.replace(peer, host="another-host") if foreign else peer
 
-            def write(self, target, srcs, dsts, lengths):
+            def write_pages(self, target, copies):
                 type(self).writes += 1
                 if fail_at is not None and type(self).writes == fail_at:
                     raise RuntimeError(f"injected peer write failure at write {fail_at}")
-                return super().write(target, srcs, dsts, lengths)
+                return super().write_pages(target, copies)
 
         self.transport = CountingCma()
         return self.transport

@@ -5,7 +5,7 @@
   the buffers PD registers; every constant of the benchmark must match.
 - Its blocks merge as upstream's ``group_concurrent_contiguous`` merges them.
 - The benchmark runs in CPU mode (real Mooncake engines over tcp on 127.0.0.1),
-  byte-exact on every moving path, the peer path included (the receiver's host
+  byte-exact on every moving path, the held peer writes included (the receiver's host
   buffers written with process_vm_writev), and refuses bad input with one line.
 """
 
@@ -162,57 +162,41 @@ def test_cpu_mode_moves_requests_byte_exact(tmp_path):
         assert row["byte_exact"] is True
         assert (row["calls"], row["blocks"], row["bytes"]) == EXPECTED[name]
         assert row["stock_us"] > 0 and row["routed_us"] > 0 and row["contiguous_us"] > 0
-        assert row["peer_us"] > 0 and row["peer_x_contiguous"] > 0 and row["peer_over_stock"] > 0
-    # The peer path really wrote through the exported map (a batch sent the
-    # direct way would be byte-exact too): every batch of at least 8 device
-    # blocks as one peer write, the draft's 2-block window and its 1-block row direct.
-    assert rows["8k runs of 8"]["peer_batches"] == {"peer": 2, "few_blocks": 2}
-    assert rows["state alone"]["peer_batches"] == {"peer": 1, "few_blocks": 2}
-    # The page path: the same calls written from their page lists (byte-exact above).
-    assert rows["8k runs of 8"]["pages_batches"] == {"peer_pages": 2, "few_blocks": 2}
-    assert rows["state alone"]["pages_batches"] == {"peer_pages": 1, "few_blocks": 2}
+        assert row["held_us"] > 0 and row["held_x_contiguous"] > 0 and row["held_over_stock"] > 0
+        assert not any(k.startswith(("peer_", "pages_")) for k in row)  # those paths were removed
     # Held: the request's calls (its one KV chunk is the last) written as one batch, the small
     # draft calls included (host memory takes any width; on a GPU the 8-byte row goes direct).
     assert rows["8k runs of 8"]["held_batches"] == {"peer_pages": 4, "held_writes": 1}
     assert rows["state alone"]["held_batches"] == {"peer_pages": 3, "held_writes": 1}
     # where a held request's time went: no earlier chunk in these one-chunk requests, then the
-    # holding and the one write (no GPU copier here: no submitted/waited split)
+    # holding and the one write
     for row in rows.values():
         phases = row["held_phases_us"]
         assert set(phases) == {"earlier", "hold", "write"}
         assert phases["hold"] > 0 and phases["write"] > 0
         assert phases["earlier"] < phases["hold"] + phases["write"]
     assert "earlier us" in proc.stdout and "hold us" in proc.stdout
-    assert result["peer_min_blocks"] == 8
+    assert result["peer"] is True
     assert result["runs"][0]["memory_backend"] == "InjectedKinds"
     assert "routed/stock" in proc.stdout and "every request byte-exact: True" in proc.stdout
-    assert "stock/peer" in proc.stdout and "stock/pages" in proc.stdout and "stock/held" in proc.stdout
+    assert "stock/held" in proc.stdout and "stock/peer" not in proc.stdout and "stock/pages" not in proc.stdout
 
 
 @pytest.mark.timeout(300)
-def test_cpu_mode_peer_threshold_and_opt_out(tmp_path):
+def test_cpu_mode_peer_opt_out(tmp_path):
     out = tmp_path / "dsv41.json"
-    # Above the threshold of every batch: the peer path sends everything the direct way.
-    proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone",
-                      "--peer-min-blocks", "44", "--rounds", "1", "--iters", "1", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(out.read_text())["runs"][0]["rows"][0]
-    assert row["byte_exact"] is True and row["peer_batches"] == {"few_blocks": 3}
-    assert row["pages_batches"] == {"few_blocks": 3}
-    assert row["held_batches"] == {"peer_pages": 3, "held_writes": 1}  # no threshold: one write anyway
     proc = _run_bench("--pattern", "dsv41", "--mode", "cpu", "--case", "state alone",
                       "--no-peer", "--rounds", "1", "--iters", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["peer_min_blocks"] is None
-    assert not any(k.startswith("peer") for k in result["runs"][0]["rows"][0])
-    assert "stock/peer" not in proc.stdout and "stock/pages" not in proc.stdout
+    assert result["peer"] is False
+    assert not any(k.startswith("held") for k in result["runs"][0]["rows"][0])
+    assert "stock/held" not in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--pattern", "dsv41", "--case", "9k contiguous"], "unknown --case '9k contiguous'"),
     (["--pattern", "dsv41", "--repeat", "0"], "must be at least 1"),
-    (["--pattern", "dsv41", "--peer-min-blocks", "0"], "--peer-min-blocks must be at least 1"),
     (["--case", "state alone"], "apply to --pattern dsv41 only"),
 ])
 def test_bad_input_is_one_line_and_nonzero(argv, message):

@@ -9,8 +9,8 @@ request patterns, and times three ways with every byte movement replaced by a
 no-op:
 
   sglang   upstream's method alone: block lists built, engine call a no-op;
-  blocks   the same with the plugin's transfer hook (router) and the peer-mode
-           block path (block list to arrays, translation), the copy a no-op;
+  blocks   the same with the plugin's transfer hook (router) in peer mode, each
+           block list going the direct way (counted), the engine call a no-op;
   pages    the plugin's page path (``hooks.kv_staging.around_send_kvcache_generic``,
            each kind of call learnt beforehand as in a running server), the copy
            a no-op;
@@ -81,9 +81,6 @@ def _build(page_path: bool):
 
         def open(self, peer):
             return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])
-
-        def write(self, target, srcs, dsts, lengths):
-            pass
 
         def write_pages(self, target, copies):
             pass

@@ -111,6 +111,14 @@ def cuda_runtime(loaded_only: bool = False) -> CudaRuntime:
     raise CudaLibraryError("no CUDA runtime library found (" + "; ".join(errors[:3]) + ")")
 
 
+def process_runtime() -> CudaRuntime:
+    """The runtime torch already loaded (the same current device and contexts as its kernels), else any."""
+    try:
+        return cuda_runtime(loaded_only=True)
+    except CudaLibraryError:
+        return cuda_runtime()
+
+
 def cuda_driver() -> ctypes.CDLL:
     """The CUDA driver library (libcuda), bound."""
     with _lock:

@@ -150,11 +150,9 @@ def around_transfer_data(original, self, mooncake_session_id, transfer_blocks):
         opened.append(True)
         return _side_channel(self, mooncake_session_id)
 
-    def write(blocks):
-        return original(self, mooncake_session_id, blocks)
-
     def send_device(device_blocks):
-        return kv_staging.send_device_batch(self, mooncake_session_id, device_blocks, write)
+        kv_staging.count_device_batch(self, device_blocks)
+        return original(self, mooncake_session_id, device_blocks)
 
     rc = state.router.route(transfer_blocks, send_device, open_side_channel)
     if rc != 0 and opened:  # after the device blocks went through: host blocks not delivered

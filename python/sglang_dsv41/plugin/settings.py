@@ -60,7 +60,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         names=(MIN_BLOCKS_ENV,),
         default=str(DEFAULT_MIN_BLOCKS),
-        meaning=f"the fewest blocks a batch needs to be peer-written (1..{MAX_MIN_BLOCKS}); smaller batches go the direct way",
+        meaning=f"the fewest blocks (buffers x pages) a send needs to be peer-written at once (1..{MAX_MIN_BLOCKS}); smaller sends go the direct way. A request's held last sends are written whatever their size",
     ),
     Setting(
         names=REMOVED_SETTINGS,

@@ -22,23 +22,6 @@ def host_buffer(nbytes: int) -> HostBuffer:
     return HostBuffer(ctypes.addressof(buf), nbytes, buf)
 
 
-def random_batch(rng, src_base: int, src_size: int, dst_base: int, dst_size: int,
-                 entries: int, max_len: int, align: int):
-    """Entries with disjoint destinations (sources may overlap each other: they are only read)."""
-    lengths = rng.integers(1, max_len + 1, size=entries) // align * align
-    lengths = np.maximum(lengths, align)
-    gaps = rng.integers(0, 4, size=entries) * align
-    dst_offsets = np.cumsum(gaps + lengths) - lengths
-    assert dst_offsets[-1] + lengths[-1] <= dst_size, "destination buffer too small for the batch"
-    order = rng.permutation(entries)  # destinations not in source order
-    dst_offsets = dst_offsets[order]
-    lengths = lengths[order]
-    src_offsets = rng.integers(0, (src_size - lengths) // align + 1) * align
-    return (np.uint64(src_base) + src_offsets.astype(np.uint64),
-            np.uint64(dst_base) + dst_offsets.astype(np.uint64),
-            lengths.astype(np.uint64))
-
-
 def expected_bytes(src: np.ndarray, dst_before: np.ndarray, src_base, dst_base, s, d, n) -> np.ndarray:
     out = dst_before.copy()
     for a, b, k in zip(s.tolist(), d.tolist(), n.tolist()):

@@ -1,4 +1,4 @@
-"""Batched local copies on the CPU: host copier, validation, launch table, kernel logic.
+"""The paged copy on the CPU: validation, launch table, page checks, kernel logic.
 
 The CUDA kernel's logic (launch table, program-to-page mapping, the access
 width each buffer takes, tail masks) runs here in Triton's interpreter on host
@@ -13,15 +13,12 @@ import sys
 
 import numpy as np
 import pytest
-from _batches import expected_bytes, host_buffer, random_batch, random_paged
+from _batches import expected_bytes, host_buffer, random_paged
+from host_peer import HostBatchCopy, expand_paged
 
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
     BatchCopyError,
-    HostBatchCopy,
     PagesOutsideBuffers,
-    as_batch,
-    block_copy,
-    expand_paged,
     fill_paged_table,
     paged_copy,
 )
@@ -31,108 +28,11 @@ pytestmark = pytest.mark.timeout(120)
 HAS_TRITON = importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None
 
 
-
-
-
-
 def host_view(alloc) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * alloc.nbytes).from_address(alloc.ptr))
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("align", [1, 8, 16])
-def test_host_batch_copy_is_byte_exact(seed, align):
-    rng = np.random.default_rng(seed * 10 + align)
-    copier = HostBatchCopy()
-    src_alloc, dst_alloc = host_buffer(1 << 20), host_buffer(4 << 20)
-    src, dst = host_view(src_alloc), host_view(dst_alloc)
-    src[:] = rng.integers(0, 256, size=src.size, dtype=np.uint8)
-    dst[:] = rng.integers(0, 256, size=dst.size, dtype=np.uint8)
-    s, d, n = random_batch(rng, src_alloc.ptr, src.size, dst_alloc.ptr, dst.size,
-                           entries=int(rng.integers(1, 300)), max_len=8000, align=align)
-    want = expected_bytes(src, dst, src_alloc.ptr, dst_alloc.ptr, s, d, n)
-    copier.copy(s, d, n)
-    assert np.array_equal(dst, want)
-    # Python lists are accepted too, and zero-length entries are skipped.
-    copier.copy(list(s[:3]), list(d[:3]), [0, 0, 0])
-    assert np.array_equal(dst, want)
-
-
-BAD_BATCHES = [
-    ("differ in shape", [1, 2], [1], [1]),
-    ("differ in shape", np.ones((2, 2), np.uint64), np.ones((2, 2), np.uint64), np.ones((2, 2), np.uint64)),
-    ("negative", np.array([-1, 5]), [16, 32], [1, 1]),
-    ("negative", [-1], [16], [1]),
-    ("negative", [16], [32], np.array([-8])),
-    ("not unsigned 64-bit", [16.0], [32], [1]),
-    ("not unsigned 64-bit", [16], [32], ["1"]),
-    ("not unsigned 64-bit", [16], [32], [None]),
-    ("not unsigned 64-bit", [2 ** 64], [32], [1]),
-    ("past the end of the address space", [2 ** 64 - 4], [32], [8]),
-    ("past the end of the address space", [32], [2 ** 64 - 1], [2]),
-    ("null pointer", [0], [32], [8]),
-    ("null pointer", [32], [0], [8]),
-]
-
-
-@pytest.mark.parametrize("needle, srcs, dsts, lengths", BAD_BATCHES)
-def test_bad_batches_raise_batch_copy_error(needle, srcs, dsts, lengths):
-    with pytest.raises(BatchCopyError, match=needle):
-        as_batch(srcs, dsts, lengths)
-    with pytest.raises(BatchCopyError, match=needle):
-        HostBatchCopy().copy(srcs, dsts, lengths)
-
-
-def test_edge_batches_that_are_valid():
-    s, d, n = as_batch([], [], [])
-    assert s.dtype == d.dtype == n.dtype == np.uint64 and len(n) == 0
-    HostBatchCopy().copy([], [], [])
-    as_batch([0], [0], [0])  # a null pointer with nothing to copy is harmless
-    as_batch([2 ** 64 - 9], [16], [8])  # ends exactly at the top of the address space
-    as_batch(np.array([16], np.int64), np.array([32], np.int32), np.array([4], np.uint8))
-
-
 CHUNK = 32768
-
-
-def test_a_block_list_is_one_paged_copy_of_its_non_empty_blocks():
-    s, d, n = as_batch([1008, 2000, 3000, 4000], [5008, 6000, 7000, 8000], [CHUNK * 2 + 1, 0, 5, CHUNK])
-    c = block_copy(s, d, n)
-    assert c.segments.flags.writeable  # a one-off template: its plan is never cached
-    assert [tuple(map(int, b)) for b in zip(*expand_paged([c]))] == [(1008, 5008, CHUNK * 2 + 1), (3000, 7000, 5),
-                                                                     (4000, 8000, CHUNK)]
-    assert (c.max_item, c.page_bytes) == (CHUNK * 2 + 1, 3 * CHUNK + 6)
-    table = np.zeros(64, np.uint64)
-    programs, _ = fill_paged_table(lambda nbytes: table, [c], CHUNK)
-    assert programs == 3 + 1 + 1
-    assert pieces_of_table(table.view(np.int64), programs, CHUNK) == pieces_of_blocks(s, d, n, CHUNK)
-
-
-def test_a_block_list_of_empty_blocks_needs_no_program():
-    c = block_copy([16, 0], [32, 0], [0, 0])
-    assert fill_paged_table(lambda nbytes: np.zeros(64, np.uint64), [c], CHUNK)[0] == 0
-
-
-def test_one_off_plans_are_not_cached():
-    from sglang_dsv41.mooncake_nvlink.kv_staging import batch_copy
-
-    before = len(batch_copy.LAUNCH_PLANS)
-    for k in range(5):
-        fill_paged_table(lambda nbytes: np.zeros(64, np.uint64), [block_copy([4096 + k], [8192], [16])], CHUNK)
-    assert len(batch_copy.LAUNCH_PLANS) == before
-
-
-@pytest.mark.parametrize("needle, srcs, dsts, lengths", BAD_BATCHES)
-def test_block_lists_are_refused_as_as_batch_refuses_them(needle, srcs, dsts, lengths):
-    with pytest.raises(BatchCopyError, match=needle):
-        block_copy(srcs, dsts, lengths)
-
-
-def test_block_lists_no_gpu_can_hold_are_refused():
-    with pytest.raises(BatchCopyError, match="beyond any GPU address range"):
-        block_copy([1 << 62], [4096], [16])
-    with pytest.raises(BatchCopyError, match="beyond any GPU address range"):
-        block_copy([4096], [1 << 50], [(1 << 45) + 1])
 
 
 def run_in_subprocess(code: str, env: dict | None = None):
@@ -152,13 +52,9 @@ def test_module_needs_neither_torch_nor_triton_nor_cuda():
         sys.modules["torch"] = None  # any import of torch or triton now fails
         sys.modules["triton"] = None
         import numpy as np
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, HostBatchCopy, batch_copy_for, CudaBatchCopy
-        host = HostBatchCopy()
-        import ctypes
-        a, b = ctypes.create_string_buffer(64), ctypes.create_string_buffer(64)
-        ctypes.memset(a, 7, 64)
-        host.copy([ctypes.addressof(a)], [ctypes.addressof(b)], [64])
-        assert b.raw == bytes([7]) * 64
+        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (BatchCopyError, CudaBatchCopy, batch_copy_for,
+                                                                        paged_copy)
+        assert paged_copy([(4096, 8192, 64)], np.array([1]), np.array([2])).page_bytes == 64
         for make in (lambda: batch_copy_for(None), lambda: CudaBatchCopy(0)):
             try:
                 make()
@@ -360,7 +256,6 @@ def test_pages_outside_their_buffers_are_refused_before_any_byte_moves(pages, si
         with pytest.raises(PagesOutsideBuffers, match=f"{side} page {page}") as refused:
             refuse()
         assert (refused.value.copy_index, refused.value.side, refused.value.page) == (1, side, page)
-        assert refused.value.negative == (page < 0)
     assert not host_view(dst_alloc).any()  # the good copy was not written either
     fill_paged_table(lambda n: table, [good, good._replace(src_pages=np.array([3]), dst_pages=np.array([2]))],
                      CHUNK)  # the last page on each side is inside
@@ -370,11 +265,11 @@ INTERPRETED_PAGED_KERNEL = """
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import numpy as np, torch
-    sys.path.insert(0, {test_dir!r})
-    from _batches import random_batch, random_paged, expected_bytes
+    sys.path[:0] = [{test_dir!r}, {helpers_dir!r}]
+    from _batches import random_paged, expected_bytes
+    from host_peer import expand_paged
     from sglang_dsv41.mooncake_nvlink.kv_staging import batch_copy_kernel as k
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (PAGED_CHUNK_BYTES, block_copy, expand_paged,
-                                                                    fill_paged_table)
+    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PAGED_CHUNK_BYTES, fill_paged_table
 
     def launch(copies):
         table = np.zeros(1 << 16, np.uint64)
@@ -395,16 +290,6 @@ INTERPRETED_PAGED_KERNEL = """
         want = expected_bytes(src.numpy(), dst.numpy(), sb, db, *expand_paged(copies))
         launch(copies)
         print("CASE paged", seed, ",".join(map(str, aligns)), "ok" if np.array_equal(dst.numpy(), want) else "MISMATCH")
-    for seed, align in ((6, 16), (7, 8), (8, 1)):  # block lists go the same way
-        rng = np.random.default_rng(seed)
-        src = torch.from_numpy(rng.integers(0, 256, size=600_000, dtype=np.uint8))
-        dst = torch.from_numpy(rng.integers(0, 256, size=3_000_000, dtype=np.uint8))
-        sb, db = src.data_ptr(), dst.data_ptr()
-        s, d, n = random_batch(rng, sb, src.numel(), db, dst.numel(), 40, 70_000, align)
-        n[rng.integers(0, 40)] = 0  # an entry with nothing to copy owns no program
-        want = expected_bytes(src.numpy(), dst.numpy(), sb, db, s, d, n)
-        launch([block_copy(s, d, n)])
-        print("CASE blocks", seed, align, "ok" if np.array_equal(dst.numpy(), want) else "MISMATCH")
 """
 
 
@@ -415,10 +300,12 @@ INTERPRETED_PAGED_KERNEL = """
 def test_paged_kernel_is_byte_exact_in_the_triton_interpreter():
     from pathlib import Path
 
-    proc = run_in_subprocess(INTERPRETED_PAGED_KERNEL.format(test_dir=str(Path(__file__).parent)))
+    here = Path(__file__).parent
+    proc = run_in_subprocess(INTERPRETED_PAGED_KERNEL.format(test_dir=str(here),
+                                                             helpers_dir=str(here.parents[1] / "helpers")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = [l.split() for l in proc.stdout.splitlines() if l.startswith("CASE")]
-    assert len(cases) == 8, proc.stdout
+    assert len(cases) == 5, proc.stdout
     assert all(c[-1] == "ok" for c in cases), proc.stdout
 
 

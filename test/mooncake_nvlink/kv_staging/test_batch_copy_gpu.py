@@ -1,8 +1,9 @@
 """CudaBatchCopy on a real GPU (skips without CUDA).
 
-Byte-exact against per-entry torch copies: random batches (1..2,000 entries,
-1 B..5 MiB, aligned and unaligned), buffers of every access width in one
-launch, entries touching allocation ends with guard bytes around them, four
+Byte-exact against per-entry torch copies: random block lists (1..2,000
+blocks, 1 B..5 MiB, aligned and unaligned; each block a buffer of one page in
+one paged copy), random paged copies, buffers of every access width in one
+launch, blocks touching allocation ends with guard bytes around them, four
 threads at once, and a DeepSeek-V4.1 request gathered into one buffer and
 scattered back out.
 
@@ -21,7 +22,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, CudaBatchCopy, batch_copy_for  # noqa: E402
+from host_peer import expand_paged  # noqa: E402
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, batch_copy_for, paged_copy  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -77,14 +79,20 @@ def reference(dst_before, src, src_off, dst_off, lengths):
     return want
 
 
+def copy_blocks(copier, srcs, dsts, lengths):
+    """A block list as one paged copy: each block a buffer of one page, page 0 to page 0."""
+    rows = np.stack([np.asarray(a, dtype=np.uint64) for a in (srcs, dsts, lengths)], axis=1).astype(np.int64)
+    copier.copy_pages([paged_copy(rows, np.array([0]), np.array([0]))])
+
+
 def check_batch(copier, src, dst, src_off, dst_off, lengths):
     dst.random_(0, 256)
     torch.cuda.synchronize()
     want = reference(dst, src, src_off, dst_off, lengths)
     torch.cuda.synchronize()
-    copier.copy(src.data_ptr() + src_off.astype(np.uint64),
+    copy_blocks(copier, src.data_ptr() + src_off.astype(np.uint64),
                 dst.data_ptr() + dst_off.astype(np.uint64), lengths.astype(np.uint64))
-    # copy() returned: the bytes are there without any further synchronization on our side.
+    # copy_pages() returned: the bytes are there without any further synchronization on our side.
     assert torch.equal(dst, want)
 
 
@@ -117,12 +125,12 @@ def test_entries_touching_allocation_ends(copier):
         body = dst.ptr + 4096
         half = size // 2
         # Whole buffer end to end, then the two halves swapped, then single bytes at both ends.
-        copier.copy([src.ptr], [body], [size])
+        copy_blocks(copier, [src.ptr], [body], [size])
         assert torch.equal(d_t[4096:4096 + size], s_t)
-        copier.copy([src.ptr + half, src.ptr], [body, body + size - half], [size - half, half])
+        copy_blocks(copier, [src.ptr + half, src.ptr], [body, body + size - half], [size - half, half])
         assert torch.equal(d_t[4096:4096 + size - half], s_t[half:])
         assert torch.equal(d_t[4096 + size - half:4096 + size], s_t[:half])
-        copier.copy([src.ptr + size - 1, src.ptr], [body, body + size - 1], [1, 1])
+        copy_blocks(copier, [src.ptr + size - 1, src.ptr], [body, body + size - 1], [1, 1])
         assert d_t[4096].item() == s_t[size - 1].item() and d_t[4096 + size - 1].item() == s_t[0].item()
         assert (d_t[:4096] == 0xA5).all().item() and (d_t[4096 + size:] == 0xA5).all().item(), \
             "bytes outside the entries were written"
@@ -143,7 +151,7 @@ def test_four_threads_at_once(copier, pools):
                 align = (16, 8, 1)[round_ % 3]
                 so, do, n = random_entries(rng, int(rng.integers(1, 1200)), align, src.numel(), slice_size,
                                            max_len=2 * MiB)
-                copier.copy(src.data_ptr() + so.astype(np.uint64),
+                copy_blocks(copier, src.data_ptr() + so.astype(np.uint64),
                             dst.data_ptr() + base + do.astype(np.uint64), n.astype(np.uint64))
                 # Only this thread writes its slice: what it reads back must be exactly its batch.
                 for a, b, m in zip(so.tolist(), do.tolist(), n.tolist()):
@@ -187,40 +195,26 @@ def test_dsv41_gather_then_scatter(copier):
     dst = np.array([decode[b].data_ptr() for b in buf], dtype=np.uint64) + np.array(dst_off, np.uint64)
     n = np.array(lengths, dtype=np.uint64)
 
-    copier.copy(src, staging.ptr + staged_at, n)  # gather on the prefill side
+    copy_blocks(copier, src, staging.ptr + staged_at, n)  # gather on the prefill side
     want = torch.cat([prefill[b][o:o + k] for b, o, _, k in spans])
     assert torch.equal(staging.keepalive[0], want)
-    copier.copy(staging.ptr + staged_at, dst, n)  # scatter on the decode side
+    copy_blocks(copier, staging.ptr + staged_at, dst, n)  # scatter on the decode side
     for b, s_o, d_o, k in spans:
         assert torch.equal(decode[b][d_o:d_o + k], prefill[b][s_o:s_o + k])
     touched = sum(k for b, _, _, k in spans)
     assert sum(int(t.count_nonzero()) for t in decode) <= touched  # nothing outside the spans
 
 
-def test_bad_batches_raise_not_crash(copier, pools):
+def test_bad_copies_raise_not_crash(copier, pools):
     src, dst = pools
     with pytest.raises(BatchCopyError):
-        copier.copy([src.data_ptr()], [dst.data_ptr(), dst.data_ptr()], [4])
+        copier.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 4)], [0, 1], [0])])
     with pytest.raises(BatchCopyError):
-        copier.copy([src.data_ptr()], [dst.data_ptr()], [-4])
+        copier.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 4)], [-1], [0])])
     with pytest.raises(BatchCopyError):
-        copier.copy([2 ** 64 - 8], [dst.data_ptr()], [16])
-    copier.copy([], [], [])  # nothing to do is fine
-    copier.copy([src.data_ptr()], [dst.data_ptr()], [0])
-
-
-@pytest.mark.parametrize("path", ["jit launch", "torch upload"])
-def test_triton_fallback_paths(pools, path):
-    """The paths a Triton launcher of another shape, or no shareable CUDA runtime, would take."""
-    copier = CudaBatchCopy(0)
-    if path == "jit launch":
-        copier._fast_launch = False
-    else:
-        copier._runtime = None
-    src, dst = pools
-    rng = np.random.default_rng(99)
-    for align in (16, 1):
-        check_batch(copier, src, dst, *random_entries(rng, 700, align, src.numel(), dst.numel()))
+        copier.copy_pages([paged_copy([(2 ** 62, dst.data_ptr(), 16)], [0], [0])])
+    copier.copy_pages([])  # nothing to do is fine
+    copier.copy_pages([paged_copy([(src.data_ptr(), dst.data_ptr(), 4)], np.array([], np.int64), np.array([], np.int64))])
 
 
 def test_copier_choice():
@@ -228,7 +222,6 @@ def test_copier_choice():
     assert chosen.backend == "triton" and chosen.device == torch.cuda.current_device()
     with pytest.raises(BatchCopyError, match="does not exist"):
         batch_copy_for(torch.cuda.device_count())
-    print(f"fast_launch={chosen._fast_launch}")
 
 
 # --- the paged kernel
@@ -252,8 +245,6 @@ def _random_paged_offsets(rng, align: int, calls: int, max_pages: int, pool: int
 
 
 def random_copies(src, dst, seed: int, calls: int, max_pages: int, align: int = 16):
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import paged_copy
-
     specs = _random_paged_offsets(np.random.default_rng(seed), align, calls, max_pages, pool=dst.numel())
     return [paged_copy([(src.data_ptr() + s, dst.data_ptr() + d, n) for s, d, n in rows], sp, dp)
             for rows, sp, dp in specs]
@@ -261,8 +252,6 @@ def random_copies(src, dst, seed: int, calls: int, max_pages: int, align: int = 
 
 def expected_after(src, dst, copies):
     """``dst`` filled with noise, and what it must hold once ``copies`` landed (torch, block by block)."""
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import expand_paged
-
     dst.random_(0, 256)
     s, d, n = expand_paged(copies)
     want = reference(dst, src, (s - np.uint64(src.data_ptr())).astype(np.int64),
@@ -285,8 +274,6 @@ def test_random_paged_copies_are_byte_exact(copier, pools, align):
 
 
 def test_a_long_page_list_is_copied_whole_in_one_launch(copier, pools):
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import paged_copy
-
     src, dst = pools
     pages = 70_000  # one program each: more than a grid's y dimension takes (the paged grid is 1-D)
     rng = np.random.default_rng(3)

@@ -49,9 +49,6 @@ class _IdentityTransport:
     def open(self, peer):
         return PeerTarget(peer, [r.ptr for r in peer.regions], self, [])
 
-    def write(self, target, srcs, dsts, lengths):
-        self.writes.append(list(zip(srcs.tolist(), dsts.tolist(), lengths.tolist())))
-
     def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
         if getattr(self, "fail", False):
             raise RuntimeError("injected peer write failure")
@@ -198,29 +195,27 @@ def _paths(fn) -> dict:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def test_calls_the_page_path_does_not_cover_go_through_the_block_path():
+def test_calls_the_page_path_does_not_cover_go_the_direct_way_counted():
     # fewer blocks than the threshold
     mgr, src, dst, engine, transport = _manager(2, 2, min_blocks=64)
     assert _paths(lambda: _send(mgr, src, dst, [256, 256], PAGES)) == {"few_blocks": 1}
     assert transport.writes == [] and len(engine) == 1 and len(engine[0]) == 2 * 5
     # separate destination pages for some buffers (a hierarchical sparse pool): the block list
-    # upstream builds, written by the block path's peer write
+    # upstream builds, to the engine as it was
     mgr, src, dst, engine, transport = _manager(2, 2)
     assert _paths(lambda: _send(mgr, src, dst, [256, 256], PAGES, dst_device_data_indices=np.array(PAGES[1]),
-                                dst_device_data_ptrs=set())) == {"peer": 1}
-    # destinations past the decode's map
-    mgr, src, dst, engine, transport = _manager(2, 2)
-    far = ([1, 2], [BUF // 256 - 1, BUF // 256])
-    assert _paths(lambda: _send(mgr, src, dst, [256, 256], far)) == {"outside_peer_map": 1}
-    assert transport.writes == [] and len(engine) == 1
+                                dst_device_data_ptrs=set())) == {"block_path": 1}
+    assert transport.writes == [] and len(engine) == 1 and len(engine[0]) == 2 * 5
     # a source in host memory (the first buffer is outside the kind table's device regions):
-    # the router sends the device buffer's blocks as a peer write and the host ones as frames,
+    # the router sends the device buffer's blocks to the engine and the host ones as frames,
     # which fail here (this stand-in has no transfer info to find the decode's endpoint)
     mgr, src, dst, engine, transport = _manager(2, 2)
     src = [SRC0 - BUF] + src[1:]
+    before = dict(metrics.totals().get("kv_staging_batches", {}))
     assert _send(mgr, src, dst, [256, 256], PAGES) == -1
-    assert [len(w) for w in transport.writes] == [5] and engine == []
-    assert {s for s, _, _ in transport.writes[0]} <= set(range(src[1], src[1] + BUF))
+    assert metrics.totals()["kv_staging_batches"]["source_not_device"] == before.get("source_not_device", 0) + 1
+    assert transport.writes == [] and [len(b) for b in engine] == [5]
+    assert {s for s, _, _ in engine[0]} <= set(range(src[1], src[1] + BUF))
 
 
 def test_layer_by_layer_sends_on_upstreams_thread_pool_are_left_alone():
@@ -229,9 +224,8 @@ def test_layer_by_layer_sends_on_upstreams_thread_pool_are_left_alone():
     mgr, src, dst, engine, transport = _manager(2, 2)
     mgr.enable_custom_mem_pool, mgr.custom_mem_pool_type = True, "NVSHMEM"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        # one block-path batch per layer (each a peer write of its 5 runs), no page write
-        assert _paths(lambda: _send(mgr, src, dst, [256, 256], PAGES, executor=pool)) == {"peer": 2}
-    assert sorted(len(w) for w in transport.writes) == [5, 5] and engine == []
+        assert _paths(lambda: _send(mgr, src, dst, [256, 256], PAGES, executor=pool)) == {"block_path": 2}
+    assert sorted(len(b) for b in engine) == [5, 5] and transport.writes == []
 
 
 # --- a last chunk's sends held for one write
@@ -260,9 +254,11 @@ def _delta(before: dict) -> dict:
 
 @pytest.fixture()
 def worker_thread():
-    """This test's thread plays a transfer worker; nothing held leaks into other tests."""
+    """This test's thread plays a transfer worker; nothing held, and no room, leaks into other tests."""
     yield
-    held.hold(None)
+    queue = _worker_queue()
+    queue.put(SimpleNamespace(is_last_chunk=False))  # a chunk of no room: off a worker again
+    queue.get()
 
 
 def test_a_last_chunks_kv_and_state_sends_land_as_one_write_when_the_state_sends_return(worker_thread):
@@ -324,6 +320,18 @@ def test_held_writes_land_before_a_success_status_and_fail_it_when_they_fail(wor
     assert concluded[-1] == (KVPoll.Failed, "decode gone", 1)
     assert _delta(before) == {"written": 1, "failed": 1, "dropped": 1}
     assert engine == []
+
+
+def test_a_page_outside_its_buffers_fails_the_request_with_nothing_written(worker_thread):
+    mgr, src, dst, engine, transport = _manager(2, 2)
+    far = ([1, 2], [BUF // 256 - 1, BUF // 256])  # the second destination page is past the map
+    before = dict(metrics.totals().get("kv_staging_batches", {}))
+    assert _send(mgr, src, dst, [256, 256], far) == -1  # off a transfer worker: sglang's own failure
+    _take(_worker_queue(), last=False)  # on one: the room concluded failed, the session kept
+    assert _send(mgr, src, dst, [256, 256], far) == 0
+    assert [f["bootstrap_room"] for f in mgr.failures] == [1] and "destination page" in mgr.failures[0]["failure_reason"]
+    assert transport.writes == [] and engine == []
+    assert metrics.totals()["kv_staging_batches"]["failed"] == before.get("failed", 0) + 2
 
 
 def test_a_held_page_past_the_decodes_map_fails_the_request_with_nothing_written(worker_thread):

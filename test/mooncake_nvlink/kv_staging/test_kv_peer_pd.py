@@ -3,22 +3,22 @@
 The PD pair harness (test/mooncake_nvlink/_pd_pair.py): real managers,
 bootstrap server, senders and receivers, real Mooncake engines over tcp,
 buffers in host memory whose "device" classification is injected. Without a
-GPU the peer writes go through ``HostCmaTransport`` (process_vm_writev into the
-decode process): the same registration, map, translation and write path the
-CUDA IPC transport takes. Three runs in parallel:
+GPU the peer writes go through ``HostCmaTransport`` (test/helpers/host_peer.py,
+process_vm_writev into the decode process): the same registration, map,
+translation and write path the CUDA IPC transport takes. Four runs in parallel:
 - peer: each room is one last chunk, so its KV send (from its page lists,
   upstream's call learnt by a dry run that reaches no engine) is held and
   written when the state sends return, byte-exact, and the decode buffers
   already hold every byte when the Success status is applied; nothing lands
   outside the rooms' pages. The harness's state is one block from a state
-  kind sglang sends without page lists: it takes the block path, directly;
+  kind sglang sends without page lists: it goes the direct way;
 - failing: the second peer write fails (room B's, after room A completed):
   room B fails on both sides, room A stays byte-exact;
 - foreign: the decode's map claims another host: the prefill refuses to open
   it and every batch takes the direct path, counted, byte-exact;
 - host entry: one KV buffer is host memory, so the page path steps aside and
-  upstream's block list is routed: the device blocks as a peer write, the
-  host ones as frames on the ordered channel, byte-exact.
+  upstream's block list is routed: the device blocks to the engine, the host
+  ones as frames on the ordered channel, byte-exact.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ RUNS = {
 def _cma_usable() -> bool:
     import ctypes
 
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import IoVec
+    from host_peer import IoVec
 
     libc = ctypes.CDLL(None, use_errno=True)
     probe = ctypes.c_char()
@@ -70,7 +70,7 @@ def test_peer_writes_are_byte_exact_and_land_before_status(runs):
     assert_exact_and_in_place_at_status(runs["peer"])
     r = runs["peer"]
     # Each KV send from its page lists, held, then written before the status; the one-block
-    # state batch (block path, under MIN_BLOCKS) direct.
+    # state batch (no page lists, under MIN_BLOCKS) direct.
     assert _batches(r, "prefill") == {"peer_pages": 2, "few_blocks": 2}
     assert r["prefill"]["plugin_metrics"]["kv_staging_held_writes"] == {"written": 2}
     assert r["prefill"]["peer_writes"] == 2
@@ -112,7 +112,7 @@ def test_a_map_from_another_host_is_not_opened_and_batches_go_direct(runs):
     assert r["prefill"]["peer_writes"] == 0 and r["prefill"]["open_peer_maps"] == 0
 
 
-def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
+def test_a_host_kv_buffer_leaves_the_call_to_the_direct_way(runs):
     r = runs["host_entry"]
     for room in ("A", "B"):
         assert r["prefill"][f"status_{room}"] == "success" and r["decode"][f"status_{room}"] == "success"
@@ -121,8 +121,9 @@ def test_a_host_kv_buffer_leaves_the_call_to_the_block_path(runs):
     # room B's host frames (its kv1 pages among them) are the harness's held-back negative control
     assert r["decode"]["mismatch_at_status_B"] == ["aux0", "aux1", "kv1", "state1"]
     assert r["decode"]["stray_writes"] == []
-    # the KV call took the block path (written at once: block batches are never held), its
-    # device blocks as one peer write; nothing was held
-    assert _batches(r, "prefill") == {"peer": 2, "few_blocks": 2}
+    # the KV call went the direct way (its device blocks to the engine, counted with why);
+    # nothing was held or written by peer
+    assert _batches(r, "prefill") == {"source_not_device": 2, "few_blocks": 2}
+    assert r["prefill"]["peer_writes"] == 0
     assert not r["prefill"]["plugin_metrics"].get("kv_staging_held_writes")
     assert r["decode"]["host_messages_written"] >= 2

@@ -14,7 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import HostBatchCopy
+import numpy as np
+
+from host_peer import HostCmaTransport
 from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 
 
@@ -25,9 +27,9 @@ def _manager(mode: str):
 
 @pytest.fixture(autouse=True)
 def _no_injection():
-    kv_staging.set_batch_copy(None)
+    kv_staging.set_peer_transport(None)
     yield
-    kv_staging.set_batch_copy(None)
+    kv_staging.set_peer_transport(None)
 
 
 def test_off_means_nothing_is_set_up(monkeypatch):
@@ -90,50 +92,42 @@ class _FailingExport:
 
 def test_peer_mode_stops_a_decode_whose_memory_cannot_be_exported(monkeypatch):
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
-    kv_staging.set_batch_copy(HostBatchCopy())
     kv_staging.set_peer_transport(_FailingExport())
-    try:
-        with pytest.raises(RuntimeError) as exc:
-            kv_staging.set_up(_manager("decode"), [(0x1000, 0x1000)])
-    finally:
-        kv_staging.set_peer_transport(None)
+    with pytest.raises(RuntimeError) as exc:
+        kv_staging.set_up(_manager("decode"), [(0x1000, 0x1000)])
     assert "SGLANG_DSV41_KV_STAGING=peer but the decode side cannot set up peer writes" in str(exc.value)
     assert "invalid argument" in str(exc.value)
 
 
-def test_peer_mode_exports_the_registered_regions_and_the_decode_builds_no_copier(monkeypatch):
+def test_peer_mode_exports_the_registered_regions_and_only_the_prefill_builds_a_copier(monkeypatch):
     import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import HostCmaTransport
+    import sglang_dsv41.mooncake_nvlink.kv_staging.peer as peer
 
-    def no_copier(*args, **kwargs):
-        raise AssertionError("a copier was built")
+    class Transport(HostCmaTransport):  # CudaIpcTransport's place: its copier recorded
+        def __init__(self, copier, device):
+            super().__init__()
+            self.copier = copier
 
+    built = []
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
-    monkeypatch.setattr(batch_copy, "batch_copy_for", no_copier)
-    kv_staging.set_peer_transport(HostCmaTransport())
-    try:
-        decode = _manager("decode")
-        kv_staging.set_up(decode, [(0x10000, 0x2000), (0x40000, 0x100)])
-    finally:
-        kv_staging.set_peer_transport(None)
+    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device: built.append(device) or "copier")
+    monkeypatch.setattr(peer, "CudaIpcTransport", Transport)
+    decode = _manager("decode")
+    kv_staging.set_up(decode, [(0x10000, 0x2000), (0x40000, 0x100)])
     state = kv_staging.state_of(decode)
     assert [(r.ptr, r.length) for r in state.exported.regions] == [(0x10000, 0x2000), (0x40000, 0x100)]
-    assert state.mappings is None  # a decode maps nobody
-    kv_staging.set_batch_copy(HostBatchCopy())
-    kv_staging.set_peer_transport(HostCmaTransport())
-    try:
-        prefill = _manager("prefill")
-        kv_staging.set_up(prefill, [(0x90000, 0x100)])
-    finally:
-        kv_staging.set_peer_transport(None)
-    assert kv_staging.state_of(prefill).exported is None
-    assert kv_staging.state_of(prefill).config.min_blocks == 8
+    assert state.mappings is None and state.transport.copier is None and built == []  # a decode only exports
+    prefill = _manager("prefill")
+    kv_staging.set_up(prefill, [(0x90000, 0x100)])
+    assert kv_staging.state_of(prefill).exported is None and kv_staging.state_of(prefill).transport.copier == "copier"
+    assert built == [0] and kv_staging.state_of(prefill).config.min_blocks == 8
 
 
 def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_retried(monkeypatch):
     """A restarted decode registers again under the same session with new handles."""
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import HostBatchCopy
     from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PeerMap, PeerMapError, PeerRegion, PeerTarget, host_identity
+    from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryKind, TransferRouter
+    from sglang_dsv41.mooncake_nvlink.state import RoutingState, set_routing_state
 
     class Recording:
         kind = "host-cma"
@@ -148,7 +142,7 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
             self.opened.append(peer.regions[0].handle[:3])
             return PeerTarget(peer, [0xA0000], self, [peer.regions[0].handle])
 
-        def write(self, target, srcs, dsts, lengths):
+        def write_pages(self, target, copies):
             self.writes += 1
 
         def close(self, opened):
@@ -160,24 +154,24 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_MIN_BLOCKS", "1")
     transport = Recording()
-    kv_staging.set_batch_copy(HostBatchCopy())
     kv_staging.set_peer_transport(transport)
-    try:
-        manager = _manager("prefill")
-        kv_staging.set_up(manager)
-    finally:
-        kv_staging.set_peer_transport(None)
+    manager = _manager("prefill")
+    kv_staging.set_up(manager)
+    kinds = KindTable([(0x500, 0x1000, MemoryKind.DEVICE)], lambda ptr: MemoryKind.HOST)
+    set_routing_state(manager, RoutingState("test", None, TransferRouter(kinds, None), kinds))
     info = SimpleNamespace()
     manager.decode_kv_args_table = {"decode:1": info}
-    blocks = [(0x500, 0x10000, 16)]
     direct = []
 
-    def write(b):
-        direct.append(b)
+    def upstream(mgr, **call):  # one 16-byte page of one buffer, as sglang's send builds it
+        blocks = [(0x500, 0x10000, 16)]
+        if not kv_staging.captured(blocks):
+            direct.append(blocks)
         return 0
 
     def send():
-        return kv_staging.send_device_batch(manager, "decode:1", blocks, write)
+        return kv_staging.around_send_kvcache_generic(upstream, manager, "decode:1", [0x500], [0x10000], [16],
+                                                      np.array([0]), np.array([0]), None)
 
     info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"one")
     assert send() == 0 and send() == 0
@@ -187,7 +181,7 @@ def test_a_new_registration_retires_the_old_mapping_and_an_unusable_map_is_not_r
     assert transport.opened == [b"one", b"two"] and transport.closed == [b"one"]
     info.__dict__[kv_staging.PEER_MAP_ATTR] = peer_map(b"bad")
     assert send() == 0 and send() == 0
-    assert transport.opened == [b"one", b"two", "refused"]  # not retried for every batch
-    assert transport.closed == [b"one", b"two"] and direct == [blocks, blocks]
+    assert transport.opened == [b"one", b"two", "refused"]  # not retried for every send
+    assert transport.closed == [b"one", b"two"] and len(direct) == 2 and transport.writes == 3
     del info.__dict__[kv_staging.PEER_MAP_ATTR]  # a decode without peer writes
-    assert send() == 0 and direct == [blocks] * 3
+    assert send() == 0 and len(direct) == 3

@@ -1,8 +1,8 @@
-"""A paged copy as its runs of consecutive pages (CPU).
+"""The GPU's stand-in (test/helpers/host_peer.py): a paged copy as its runs of consecutive pages.
 
-``merged_page_runs`` is what the host copier writes (every CPU PD test moves
-its KV that way); it must move exactly the bytes the page-by-page expansion
-moves, and refuse a page outside its buffers before anything is built.
+Its merged runs are what the host copiers write (every CPU PD test moves its KV
+that way); they must move exactly the bytes the page-by-page expansion moves,
+and refuse a page outside its buffers before anything is built.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
-    HostBatchCopy,
-    PagesOutsideBuffers,
-    expand_paged,
-    merged_page_runs,
-    paged_copy,
-)
+from host_peer import HostBatchCopy, expand_paged
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PagesOutsideBuffers, paged_copy
+
+
+def merged_page_runs(copies):
+    return expand_paged(copies, merge_runs=True)
+
 
 PAGES = 24
 

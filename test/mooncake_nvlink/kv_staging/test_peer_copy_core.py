@@ -1,8 +1,8 @@
-"""core.peer_copy without a GPU: wire format, translation, lifetime, host transport.
+"""Peer writes without a GPU: wire format, translation, lifetime, held writes, host transport.
 
-The host transport writes another real process's memory (process_vm_writev),
-so the write path, partial writes and refusal are exercised for real; the
-CUDA IPC transport runs in test/mooncake_nvlink/kv_staging/test_peer_copy_gpu.py.
+The host transport (test/helpers/host_peer.py) writes another real process's
+memory (process_vm_writev), so the write path, partial writes and refusal are
+exercised for real; the CUDA IPC transport runs in test_peer_copy_gpu.py.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from _paged import runs_of, runs_of_paged
+from host_peer import HostCmaTransport
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PagesOutsideBuffers
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     FALLBACK_NO_PEER_MAP,
     FALLBACK_OUTSIDE_PEER_MAP,
     HANDLE_BYTES,
     PEER_MAP_TAG,
-    HostCmaTransport,
     PagedLayout,
     PeerMap,
     PeerMapError,
@@ -32,9 +32,6 @@ from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     find_peer_map,
     bind_layout,
     host_identity,
-    page_runs,
-    send_paged_batch,
-    send_peer_batch,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,9 +50,6 @@ class _Recorder:
 
     def __init__(self):
         self.writes, self.closed = [], []
-
-    def write(self, target, srcs, dsts, lengths):
-        self.writes.append((srcs.tolist(), dsts.tolist(), lengths.tolist()))
 
     def write_pages(self, target, copies):  # recorded as the runs upstream's block list would hold
         self.writes.append(tuple(map(list, zip(*runs_of_paged(copies)))))
@@ -97,14 +91,11 @@ def test_a_region_that_wraps_the_address_space_is_refused():
 # --- translation
 
 
-def test_translation_maps_each_span_into_its_own_region():
+def test_translation_maps_each_address_into_its_own_region():
     peer = _map((0x10000, 0x1000, 0), (0x20000, 0x1000, 0), (0x30000, 0x800, 0))
     target = PeerTarget(peer, [0xA0000, 0xB0000, 0xC0000], _Recorder(), [])
-    dsts = np.array([0x20010, 0x10000, 0x307F0, 0x10FFF], dtype=np.uint64)
-    lengths = np.array([0x10, 0x1000, 0x10, 1], dtype=np.uint64)
-    local, outside = target.translate(dsts, lengths)
-    assert outside is None
-    assert local.tolist() == [0xB0010, 0xA0000, 0xC07F0, 0xA0FFF]
+    assert [target.locate(d) for d in (0x20010, 0x10000, 0x307F0, 0x10FFF)] == [
+        (0xB0010, 0xFF0), (0xA0000, 0x1000), (0xC07F0, 0x10), (0xA0FFF, 1)]
 
 
 @pytest.mark.parametrize("dst, length", [
@@ -118,28 +109,8 @@ def test_translation_maps_each_span_into_its_own_region():
 def test_a_span_outside_every_region_is_reported(dst, length):
     peer = _map((0x10000, 0x1000, 0), (0x20000, 0x1000, 0), (0x30000, 0x800, 0))
     target = PeerTarget(peer, [0xA0000, 0xB0000, 0xC0000], _Recorder(), [])
-    dsts = np.array([0x10000, dst], dtype=np.uint64)
-    local, outside = target.translate(dsts, np.array([8, length], dtype=np.uint64))
-    assert local is None and outside == 1
-
-
-def test_send_peer_batch_paths():
-    rec = _Recorder()
-    target = PeerTarget(_map((0x10000, 0x1000, 0)), [0xA0000], rec, [])
-    direct = []
-
-    def write_direct(blocks):
-        direct.append(blocks)
-        return 0
-
-    blocks = [(0x500, 0x10000, 0x10), (0x600, 0x10100, 0x20)]
-    assert send_peer_batch(blocks, target, 3, write_direct).fallback == "few_blocks"
-    assert send_peer_batch(blocks, None, 1, write_direct).fallback == FALLBACK_NO_PEER_MAP
-    out = send_peer_batch(blocks + [(0x700, 0x20000, 1)], target, 1, write_direct)
-    assert out.fallback == FALLBACK_OUTSIDE_PEER_MAP and len(direct) == 3
-    out = send_peer_batch(blocks, target, 1, write_direct)
-    assert out == type(out)(0, None, 0x30)
-    assert rec.writes == [([0x500, 0x600], [0xA0000, 0xA0100], [0x10, 0x20])]
+    found = target.locate(dst)
+    assert found is None or found[1] < length
 
 
 def test_retire_waits_for_the_batch_in_flight_and_then_refuses_new_ones():
@@ -153,40 +124,9 @@ def test_retire_waits_for_the_batch_in_flight_and_then_refuses_new_ones():
     assert not target.acquire()
     target.retire()
     assert rec.closed == [[b"handle"]]  # closed once
-    out = send_peer_batch([(0x500, 0x10000, 0x10)], target, 1, lambda b: 0)
-    assert out.fallback == FALLBACK_NO_PEER_MAP and rec.writes == []
 
 
 # --- one call from page lists
-
-
-@pytest.mark.parametrize("src,dst,runs", [
-    ([4, 5, 6], [9, 10, 11], [(4, 9, 3)]),
-    ([4, 5, 6], [9, 10, 12], [(4, 9, 2), (6, 12, 1)]),  # the destination breaks the run
-    ([0, 2, 4], [1, 3, 5], [(0, 1, 1), (2, 3, 1), (4, 5, 1)]),
-    ([7, 6], [1, 2], [(7, 1, 1), (6, 2, 1)]),  # going down is not a run
-    ([3], [0], [(3, 0, 1)]),
-])
-def test_page_runs_continue_only_while_both_sides_go_up_by_one(src, dst, runs):
-    got = page_runs(np.array(src, dtype=np.int32), dst)
-    assert list(zip(got.first_src, got.first_dst, got.counts)) == runs
-    assert (got.src_end, got.dst_end) == (max(src) + 1, max(dst) + 1)
-    # long lists take the NumPy way: the same runs, shifted past the short-list limit
-    pad = 1000
-    long_src = list(range(pad, pad + 200)) + [pad + 500 + s for s in src]
-    long_dst = list(range(pad, pad + 200)) + [pad + 900 + d for d in dst]
-    got = page_runs(np.array(long_src, dtype=np.int64), np.array(long_dst, dtype=np.int32))
-    assert isinstance(got.counts, np.ndarray)
-    assert [tuple(map(int, r)) for r in zip(got.first_src, got.first_dst, got.counts)] == [(pad, pad, 200)] + [
-        (pad + 500 + s, pad + 900 + d, n) for s, d, n in runs]
-    assert (got.src_end, got.dst_end) == (max(long_src) + 1, max(long_dst) + 1)
-
-
-@pytest.mark.parametrize("src,dst", [([1, 2], [1]), ([], []), ([-1, 2], [3, 4]), ([1.0], [2.0]),
-                                     ([[1, 2]], [[3, 4]])])
-def test_page_lists_that_describe_no_transfer_are_refused(src, dst):
-    assert page_runs(np.array(src), np.array(dst)) is None
-    assert page_runs(np.array(src * 100), np.array(dst * 100)) is None  # the NumPy way too
 
 
 def _reference_blocks(layout_entries, src_pages, dst_pages):
@@ -201,6 +141,15 @@ def _device(*regions):
     return bytes_from
 
 
+def _write_now(bound, src_pages, dst_pages):
+    """One send written at once, as the hook does off a last chunk: None, or why not."""
+    writes = PeerWrites()
+    why_not = writes.add_pages(bound, src_pages, dst_pages)
+    if why_not is None:
+        writes.flush()
+    return why_not
+
+
 @pytest.mark.parametrize("repeat", [1, 40], ids=["short", "long"])
 def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
     rec = _Recorder()
@@ -213,9 +162,10 @@ def test_a_paged_call_writes_exactly_the_block_list_it_replaces(repeat):
     # runs, a broken run, then (long) the same shape again above page 30
     src = [3, 4, 5, 9, 10] + [31 + 3 * i for i in range(6 * (repeat - 1))] + [30]
     dst = [8, 9, 10, 2, 40] + [45 + i for i in range(6 * (repeat - 1))] + [41]
-    out = send_paged_batch(bound, np.array(src), np.array(dst), 1)
+    writes = PeerWrites()
+    assert writes.add_pages(bound, np.array(src), np.array(dst)) is None
     expected = _reference_blocks(entries, src, dst)
-    assert out == type(out)(0, None, sum(n for *_, n in expected))
+    assert writes.flush() == sum(n for *_, n in expected)
     (srcs, dsts, lengths), = rec.writes
     local = {0x1000000: 0x7000000, 0x2000000: 0x9000000}
     translated = [(s, d - base + local[base], n) for s, d, n in expected
@@ -232,15 +182,16 @@ def test_binding_checks_every_buffer_once_and_each_call_against_the_smallest():
     bound, _ = bind_layout(layout, target, device)
     assert (bound.src_pages, bound.dst_pages) == (0x100, 0xC0)
     pages = np.array([1, 3, 5])
-    assert send_paged_batch(bound, pages, pages, 7).fallback == "few_blocks"  # 2 x 3 blocks
     # the second entry's page 0xc0 ends past the region's end (the first entry's does not)
-    assert send_paged_batch(bound, pages, np.array([1, 3, 0xC0]), 1).fallback == FALLBACK_OUTSIDE_PEER_MAP
-    assert send_paged_batch(bound, pages, np.array([1, 3, 0xBF]), 1).rc == 0
-    assert send_paged_batch(bound, np.array([1, 3, 0x100]), pages, 1).fallback == "source_not_device"
-    assert send_paged_batch(bound, pages, pages[:2], 1).fallback == "not_pages"
+    with pytest.raises(PagesOutsideBuffers, match="destination page 192"):
+        _write_now(bound, pages, np.array([1, 3, 0xC0]))
+    assert _write_now(bound, pages, np.array([1, 3, 0xBF])) is None
+    with pytest.raises(PagesOutsideBuffers, match="source page 256"):
+        _write_now(bound, np.array([1, 3, 0x100]), pages)
+    assert _write_now(bound, pages, pages[:2]) == "not_pages"
     assert len(rec.writes) == 1
     target.retire()
-    assert send_paged_batch(bound, pages, pages, 1).fallback == FALLBACK_NO_PEER_MAP
+    assert _write_now(bound, pages, pages) == FALLBACK_NO_PEER_MAP
     assert len(rec.writes) == 1
     # layouts the page path cannot serve at all
     assert bind_layout(layout, target, _device((0x50000, 0x10000)))[1] == "source_not_device"
@@ -359,13 +310,10 @@ def test_host_transport_writes_another_process_byte_exact(owner):
     base = peer.regions[0].ptr
     rng = np.random.default_rng(5)
     payload = rng.integers(0, 256, 3000 * 100, dtype=np.uint8)
-    src = payload.ctypes.data
-    # 3000 blocks of 100 bytes at random disjoint places: more than one
-    # process_vm_writev call (1024 vectors each)
-    slots = rng.permutation((1 << 20) // 100)[:3000]
-    blocks = [(src + i * 100, base + int(s) * 100, 100) for i, s in enumerate(slots)]
-    out = send_peer_batch(blocks, target, 1, lambda b: pytest.fail("went direct"))
-    assert out.rc == 0 and out.nbytes == 300000
+    # 3000 pages of 100 bytes to random places: more than one process_vm_writev call (1024 vectors each)
+    slots = rng.permutation(peer.regions[0].length // 100)[:3000]
+    bound, _ = bind_layout(PagedLayout.of([(payload.ctypes.data, base, 100)]), target, lambda addr: 1 << 40)
+    assert _write_now(bound, np.arange(3000), slots) is None
     conn.send("read")
     image = conn.recv()
     for i, s in enumerate(slots):
@@ -387,8 +335,7 @@ def test_a_paged_call_writes_another_process_byte_exact(owner):
     src_pages = rng.permutation(pages)[:90]
     dst_pages = np.concatenate((np.arange(10, 50), rng.permutation(np.arange(60, pages))[:50]))
     bound, _ = bind_layout(PagedLayout.of(entries), target, lambda addr: 1 << 40)
-    out = send_paged_batch(bound, src_pages, dst_pages, 1)
-    assert out.rc == 0 and out.nbytes == 2 * 90 * item
+    assert _write_now(bound, src_pages, dst_pages) is None
     conn.send("read")
     image = np.frombuffer(conn.recv(), dtype=np.uint8)
     expect = np.zeros(1 << 20, dtype=np.uint8)

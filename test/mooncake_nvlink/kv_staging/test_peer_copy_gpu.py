@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for  # noqa: E402
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PagesOutsideBuffers, batch_copy_for  # noqa: E402
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (  # noqa: E402
     FALLBACK_OUTSIDE_PEER_MAP,
     CudaIpcTransport,
@@ -31,11 +31,10 @@ from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (  # noqa: E402
     PeerMap,
     PeerMapError,
     PeerRegion,
+    PeerWrites,
     bind_layout,
     encode_peer_map,
     find_peer_map,
-    send_paged_batch,
-    send_peer_batch,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -92,6 +91,22 @@ def transport():
     return CudaIpcTransport(batch_copy_for(0), 0)
 
 
+def _bound(target, entries, src):
+    """``entries`` bound to ``target``, every source inside the tensor ``src``."""
+    src_end = src.data_ptr() + src.numel()
+    bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: src_end - addr)
+    assert why_not is None
+    return bound
+
+
+def _write(*calls) -> int:
+    """(bound layout, source pages, destination pages) calls as one write; the bytes written."""
+    writes = PeerWrites()
+    for bound, src_pages, dst_pages in calls:
+        assert writes.add_pages(bound, np.asarray(src_pages), np.asarray(dst_pages)) is None
+    return writes.flush()
+
+
 def test_fragmented_batch_lands_byte_exact(decode, transport):
     conn, frames, _ = decode
     peer = find_peer_map([b"registration", *frames])
@@ -102,15 +117,13 @@ def test_fragmented_batch_lands_byte_exact(decode, transport):
     pages = BUFFER_BYTES // PAGE
     src = torch.randint(0, 256, (BUFFERS * BUFFER_BYTES,), dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
-    blocks, expect = [], []
-    for b, region in enumerate(peer.regions):
+    calls, expect = [], []
+    for b, region in enumerate(peer.regions):  # each buffer its own call: its own page order
         dst_pages = rng.permutation(pages)[: pages // 2]
-        for j, page in enumerate(dst_pages):
-            src_off = (b * pages + j) * PAGE
-            blocks.append((src.data_ptr() + src_off, region.ptr + int(page) * PAGE, PAGE))
-            expect.append((b, int(page) * PAGE, src_off))
-    outcome = send_peer_batch(blocks, target, 8, lambda _: pytest.fail("took the direct path"))
-    assert outcome.rc == 0 and outcome.fallback is None and outcome.nbytes == len(blocks) * PAGE
+        calls.append((_bound(target, [(src.data_ptr() + b * pages * PAGE, region.ptr, PAGE)], src),
+                      np.arange(pages // 2), dst_pages))
+        expect += [(b, int(page) * PAGE, (b * pages + j) * PAGE) for j, page in enumerate(dst_pages)]
+    assert _write(*calls) == len(expect) * PAGE
     host = src.cpu().numpy()
     for b, off, src_off in expect[:: max(1, len(expect) // 64)]:
         conn.send(("read", (b, off, PAGE)))
@@ -140,11 +153,7 @@ def test_a_paged_call_lands_byte_exact(decode, transport, pages_sent):
     dst_pages = np.concatenate((np.arange(100, 100 + pages_sent // 3),
                                 rng.permutation(np.arange(pages // 2, pages))[: pages_sent - pages_sent // 3]))
     entries = [(src.data_ptr() + b * BUFFER_BYTES, target.peer.regions[b].ptr, item[b]) for b in range(BUFFERS)]
-    src_end = src.data_ptr() + src.numel()
-    bound, why_not = bind_layout(PagedLayout.of(entries), target, lambda addr: src_end - addr)
-    assert why_not is None
-    outcome = send_paged_batch(bound, src_pages, dst_pages.astype(np.int32), 8)
-    assert outcome.rc == 0 and outcome.fallback is None and outcome.nbytes == pages_sent * sum(item)
+    assert _write((_bound(target, entries, src), src_pages, dst_pages.astype(np.int32))) == pages_sent * sum(item)
     host = src.cpu().numpy()
     for b in range(BUFFERS):
         for k in list(range(0, pages_sent, max(1, pages_sent // 16))) + [pages_sent - 1]:
@@ -156,18 +165,24 @@ def test_a_paged_call_lands_byte_exact(decode, transport, pages_sent):
     target.retire()
 
 
-def test_destination_outside_the_map_goes_direct(decode, transport):
-    _, frames, _ = decode
+def test_a_destination_outside_the_map_is_refused_and_nothing_is_written(decode, transport):
+    conn, frames, _ = decode
+    conn.send(("zero", None))
+    assert conn.recv() == "ok"
     peer = find_peer_map(frames)
     target = transport.open(peer)
     try:
         region = peer.regions[0]
         past_all = max(r.ptr + r.length for r in peer.regions)
-        src = torch.zeros(2 * PAGE, dtype=torch.uint8, device="cuda:0")
-        blocks = [(src.data_ptr(), region.ptr, PAGE), (src.data_ptr() + PAGE, past_all, PAGE)]
-        direct = []
-        outcome = send_peer_batch(blocks, target, 1, lambda b: direct.append(b) or 0)
-        assert outcome.fallback == FALLBACK_OUTSIDE_PEER_MAP and direct == [blocks]
+        src = torch.ones(2 * PAGE, dtype=torch.uint8, device="cuda:0")
+        src_end = src.data_ptr() + src.numel()
+        outside = PagedLayout.of([(src.data_ptr(), past_all, PAGE)])
+        assert bind_layout(outside, target, lambda addr: src_end - addr)[1] == FALLBACK_OUTSIDE_PEER_MAP
+        inside = _bound(target, [(src.data_ptr(), region.ptr, PAGE)], src)
+        with pytest.raises(PagesOutsideBuffers, match="destination page"):  # a page past the region
+            _write((inside, [0, 1], [0, region.length // PAGE]))
+        conn.send(("read", (0, 0, PAGE)))
+        assert conn.recv() == bytes(PAGE)  # the good page of the refused write was not written either
     finally:
         target.retire()
 
@@ -202,23 +217,23 @@ def test_repeated_writes_stay_exact_and_their_times_are_printed(decode, transpor
     n_blocks, size = 1068, 32 << 10
     src = torch.randint(0, 256, (n_blocks * size,), dtype=torch.uint8, device="cuda:0")
     order = np.random.default_rng(3).permutation(region.length // size)[:n_blocks]
-    blocks = [(src.data_ptr() + i * size, region.ptr + int(p) * size, size) for i, p in enumerate(order)]
-    whole = [(src.data_ptr(), region.ptr, n_blocks * size)]
-    small = [(src.data_ptr(), region.ptr, 64 << 10)]
+    fragmented = (_bound(target, [(src.data_ptr(), region.ptr, size)], src), np.arange(n_blocks), order)
+    whole = (_bound(target, [(src.data_ptr(), region.ptr, n_blocks * size)], src), [0], [0])
+    small = (_bound(target, [(src.data_ptr(), region.ptr, 64 << 10)], src), [0], [0])
     timings = {}
-    for name, batch in (("fragmented", blocks), ("contiguous", whole), ("one 64 KiB block", small)):
+    for name, call in (("fragmented", fragmented), ("contiguous", whole), ("one 64 KiB block", small)):
         for _ in range(3):
-            send_peer_batch(batch, target, 1, None)
+            _write(call)
         t = []
         for _ in range(20):
             t0 = time.perf_counter()
-            send_peer_batch(batch, target, 1, None)
+            _write(call)
             t.append(time.perf_counter() - t0)
         timings[name] = float(np.median(t))
     print(f"\npeer write, {n_blocks} x {size >> 10} KiB: fragmented {timings['fragmented'] * 1e6:.0f} us, "
           f"one contiguous {timings['contiguous'] * 1e6:.0f} us, one 64 KiB block (the fixed cost of a "
           f"call) {timings['one 64 KiB block'] * 1e6:.0f} us (pid {os.getpid()})")
-    send_peer_batch(blocks, target, 1, None)  # the fragmented layout last: it is what must be there
+    _write(fragmented)  # the fragmented layout last: it is what must be there
     host = src.cpu().numpy()
     for i in range(0, n_blocks, 97):
         conn.send(("read", (0, int(order[i]) * size, size)))
@@ -228,8 +243,6 @@ def test_repeated_writes_stay_exact_and_their_times_are_printed(decode, transpor
 
 def test_held_sends_land_as_one_write_byte_exact(decode, transport):
     """A last chunk's KV call and its state call held, then one write."""
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PeerWrites
-
     conn, frames, _ = decode
     conn.send(("zero", None))
     assert conn.recv() == "ok"

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport, PeerMap, PeerRegion, host_identity
+from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryKind, TransferRouter
+from sglang_dsv41.mooncake_nvlink.state import RoutingState, set_routing_state
 
 from _cuda_stand_in import StandInCuda, handle
 
 MiB = 1 << 20
 DECODE_KV = 0x7000_0000  # where every decode incarnation's KV pool starts, in its own process
+PREFILL_KV = 0x1000_0000
+PAGE = 4096
 
 
 class RecordingCopy:
@@ -28,7 +33,7 @@ class RecordingCopy:
     def __init__(self):
         self.batches = 0
 
-    def copy(self, srcs, dsts, lengths):
+    def copy_pages(self, copies):
         self.batches += 1
 
 
@@ -40,7 +45,6 @@ class Prefill:
         monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_MIN_BLOCKS", "1")
         self.cuda = StandInCuda(allocations)
         self.copier = RecordingCopy()
-        kv_staging.set_batch_copy(self.copier)
         kv_staging.set_peer_transport(CudaIpcTransport(self.copier, 0, runtime=self.cuda, driver=self.cuda))
         self.mgr = SimpleNamespace(disaggregation_mode=SimpleNamespace(value="prefill"),
                                    kv_args=SimpleNamespace(gpu_id=0), decode_kv_args_table={},
@@ -49,6 +53,8 @@ class Prefill:
             kv_staging.set_up(self.mgr)
         finally:
             kv_staging.set_peer_transport(None)
+        kinds = KindTable([(PREFILL_KV, 16 * MiB, MemoryKind.DEVICE)], lambda ptr: MemoryKind.HOST)
+        set_routing_state(self.mgr, RoutingState("test", None, TransferRouter(kinds, None), kinds))
         self.state = kv_staging.state_of(self.mgr)
         if limit is not None:
             self.state.mappings.limit = limit
@@ -61,10 +67,17 @@ class Prefill:
         self.mgr.decode_kv_args_table[session] = info
 
     def send(self, session: str) -> int:
-        direct = []
-        rc = kv_staging.send_device_batch(self.mgr, session, [(0x1000_0000, DECODE_KV, 4096)],
-                                          lambda blocks: direct.append(blocks) or 0)
-        assert rc == 0 and direct == []  # a peer write, never the direct way
+        """One KV send of one page through the page path; upstream's send only ever learns its layout."""
+        def upstream(mgr, **call):  # one buffer, page p to page q, as sglang's send builds it
+            blocks = [(PREFILL_KV + int(p) * PAGE, DECODE_KV + int(q) * PAGE, PAGE)
+                      for p, q in zip(call["prefill_data_indices"], call["dst_data_indices"])]
+            assert kv_staging.captured(blocks), "went the direct way"
+            return 0
+
+        rc = kv_staging.around_send_kvcache_generic(
+            upstream, self.mgr, session, [PREFILL_KV], [DECODE_KV], [PAGE], np.array([3], np.int32),
+            np.array([5], np.int32), None)
+        assert rc == 0
         return rc
 
     def open_allocations(self) -> int:
@@ -142,4 +155,3 @@ def test_teardown_closes_every_mapping(monkeypatch):
 def _no_injection():
     yield
     kv_staging.set_peer_transport(None)
-    kv_staging.set_batch_copy(None)

@@ -17,7 +17,6 @@ import struct
 
 import pytest
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import HostBatchCopy
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     HANDLE_BYTES,
     MAX_PEER_REGIONS,
@@ -39,7 +38,7 @@ ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")
 
 def _transport(allocations):
     cuda = StandInCuda(allocations)
-    return CudaIpcTransport(HostBatchCopy(), 0, runtime=cuda, driver=cuda), cuda
+    return CudaIpcTransport(None, 0, runtime=cuda, driver=cuda), cuda
 
 
 def _map(*regions) -> PeerMap:
@@ -138,30 +137,13 @@ def test_the_stand_in_reports_sizes_as_the_driver_does():
     assert (base.value, size.value) == (ptr.value, 3 * MiB)
 
 
-# --- rows narrower than the GPU copy's width go the direct way
+# --- rows narrower than the GPU copy's width
 
 
-class _RecordingTransport:
-    """A CUDA-IPC-like transport that records the writes it is handed."""
+def test_dspark_8_byte_rows_bind_like_wide_pages():
+    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerTarget, bind_layout
 
-    kind = "cuda-ipc"
-
-    def __init__(self):
-        self.writes = []
-
-    def write(self, target, srcs, dsts, lengths):
-        self.writes.append([int(n) for n in lengths])
-
-
-def test_dspark_8_byte_rows_take_the_peer_write_like_wide_pages():
-    from sglang_dsv41.mooncake_nvlink.kv_staging.peer import PagedLayout, PeerTarget, bind_layout, send_peer_batch
-
-    peer = _map((0x1000_0000, MiB, 0, _handle(1)))
-    transport = _RecordingTransport()
-    target = PeerTarget(peer, [0x7000_0000], transport, [])
+    target = PeerTarget(_map((0x1000_0000, MiB, 0, _handle(1))), [0x7000_0000], None, [])
     device = lambda addr: MiB  # noqa: E731  every source counts as device memory
     row, why = bind_layout(PagedLayout.of([(0x2000_0008, 0x1000_0008, 8)]), target, device)  # DSpark's request row
     assert why is None and (row.entries, row.page_bytes) == (((0x2000_0008, 0x7000_0008, 8),), 8)
-    narrow_blocks = [(0x2000_0000 + 8 * k, 0x1000_0000 + 8 * k, 8) for k in range(16)]
-    out = send_peer_batch(narrow_blocks, target, 8, lambda blocks: pytest.fail("went direct"))
-    assert (out.rc, out.fallback, out.nbytes, transport.writes) == (0, None, 128, [[8] * 16])

@@ -7,85 +7,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from sglang_dsv41.mooncake_nvlink import cuda_libs
 
 
-_U64_MAX = (1 << 64) - 1
-
-
 class BatchCopyError(RuntimeError):
     """A batch could not be copied (bad arrays, allocation or device failure)."""
 
-
-class BatchCopy(Protocol):
-    backend: str
-
-    def copy(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
-        """Copy ``lengths[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every i; synchronous."""
-
-    def copy_pages(self, copies: "Sequence[PagedCopy]") -> None:
-        """Copy every page pair of every ``PagedCopy``; synchronous, one batch."""
-
-
-def _as_uint64(values, name: str) -> np.ndarray:
-    # A cast alone would wrap -1 to 2**64 - 1 and truncate 1.5 to 1: refuse both.
-    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    kind = arr.dtype.kind
-    if kind == "i":
-        if arr.size and arr.min() < 0:
-            raise BatchCopyError(f"batch {name} holds a negative value ({int(arr.min())})")
-    elif kind != "u" and not (arr.size == 0 and kind == "f"):  # [] comes as float64
-        raise BatchCopyError(
-            f"batch {name} are not unsigned 64-bit integers (dtype {arr.dtype})"
-        )
-    try:
-        return np.ascontiguousarray(arr, dtype=np.uint64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise BatchCopyError(f"batch {name} are not unsigned 64-bit integers: {exc}") from exc
-
-
-def converted(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    s = _as_uint64(srcs, "source pointers")
-    d = _as_uint64(dsts, "destination pointers")
-    n = _as_uint64(lengths, "lengths")
-    if not (s.ndim == d.ndim == n.ndim == 1) or not (len(s) == len(d) == len(n)):
-        raise BatchCopyError(
-            f"batch arrays differ in shape: {s.shape}, {d.shape}, {n.shape}"
-        )
-    return s, d, n
-
-
-def as_batch(srcs, dsts, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Validate and convert a batch to three contiguous uint64 arrays.
-
-    Refuses negative or non-integer values, arrays of different shapes, a
-    range that wraps past 2**64, and a null pointer with a non-zero length.
-    """
-    s, d, n = converted(srcs, dsts, lengths)
-    if len(n):
-        # Cheap bounds first (this is on the transfer path); exact checks only when they fail.
-        if max(int(s.max()), int(d.max())) + int(n.max()) > _U64_MAX:
-            # ~p is 2**64 - 1 - p: a length above it makes p + length wrap.
-            wraps = (n > ~s) | (n > ~d)
-            if wraps.any():
-                i = int(np.flatnonzero(wraps)[0])
-                raise BatchCopyError(
-                    f"batch entry {i}: {int(n[i])} bytes from {int(s[i]):#x} to {int(d[i]):#x} "
-                    "run past the end of the address space"
-                )
-        if not (s.min() and d.min()):
-            null = ((s == 0) | (d == 0)) & (n != 0)
-            if null.any():
-                i = int(np.flatnonzero(null)[0])
-                raise BatchCopyError(f"batch entry {i}: null pointer with {int(n[i])} bytes")
-    return s, d, n
-
-# --- page-addressed batches -------------------------------------------------------
 
 PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table
 # A program's piece: the kernel starts no idle programs, so small pieces spread a
@@ -131,21 +62,19 @@ class PagesOutsideBuffers(BatchCopyError):
 
     def __init__(self, copy_index: int, side: str, page: int, limit: int):
         self.copy_index, self.side, self.page, self.limit = copy_index, side, page, limit
-        self.negative = page < 0
         held = f"the {side} buffers hold pages 0 to {limit - 1}" if limit < NO_PAGE_LIMIT else "pages are never negative"
         super().__init__(f"paged copy {copy_index} names {side} page {page}; {held}")
 
 
-def paged_segments(rows: np.ndarray, remember: bool = True) -> np.ndarray:
+def paged_segments(rows: np.ndarray) -> np.ndarray:
     """The (buffers x PAGED_SEGMENT_WORDS) template of ``rows`` (buffers x 3, int64).
 
-    ``remember``: read-only, so launch plans may be cached by the template's
-    identity (a layout reused for every request); a one-off template stays
-    writable and its plan is never cached.
+    Read-only: launch plans are cached by the template's identity (a layout
+    reused for every request).
     """
     out = np.zeros((len(rows), PAGED_SEGMENT_WORDS), dtype=np.int64)
     out[:, :3] = rows
-    out.flags.writeable = not remember
+    out.flags.writeable = False
     return out
 
 
@@ -184,65 +113,6 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     if top >= _ADDRESS_LIMIT or item > _LENGTH_LIMIT:
         raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
     return PagedCopy(paged_segments(rows), sp, dp, item, int(rows[:, 2].sum()))
-
-
-_PAGE_ZERO = np.zeros(1, dtype=np.int64)
-
-
-def block_copy(srcs, dsts, lengths) -> PagedCopy:
-    """A block list as one paged copy: each non-empty block a buffer of one page, page 0 to page 0.
-
-    Validated as ``as_batch`` does; its plan is not cached (a block list is seldom seen twice).
-    """
-    s, d, n = as_batch(srcs, dsts, lengths)
-    keep = n != 0
-    if not keep.all():
-        s, d, n = s[keep], d[keep], n[keep]
-    if len(n) and (max(int(s.max()), int(d.max())) >= _ADDRESS_LIMIT or int(n.max()) > _LENGTH_LIMIT):
-        raise BatchCopyError("batch holds a pointer or length beyond any GPU address range")
-    rows = np.stack((s, d, n), axis=1).view(np.int64)
-    return PagedCopy(paged_segments(rows, remember=False), _PAGE_ZERO, _PAGE_ZERO,
-                     int(n.max()) if len(n) else 0, int(n.sum()))
-
-
-def _blocks_of(copies: Sequence[PagedCopy], merge_runs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    outside = pages_outside(copies)
-    if outside is not None:
-        raise outside
-    parts = []
-    for c in copies:
-        if not len(c.entries) or not len(c.src_pages):
-            continue
-        sp, dp = c.src_pages.astype(np.int64), c.dst_pages.astype(np.int64)
-        pages = np.ones(len(sp), dtype=np.int64)
-        if merge_runs:
-            starts = np.flatnonzero(np.r_[True, (sp[1:] != sp[:-1] + 1) | (dp[1:] != dp[:-1] + 1)])
-            pages = np.diff(np.r_[starts, len(sp)])
-            sp, dp = sp[starts], dp[starts]
-        item = c.entries[:, 2:3]
-        parts.append(((c.entries[:, 0:1] + sp[None, :] * item).ravel(), (c.entries[:, 1:2] + dp[None, :] * item).ravel(),
-                      (pages[None, :] * item).ravel()))
-    if not parts:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty, empty
-    return tuple(np.ascontiguousarray(np.concatenate([p[k] for p in parts])).view(np.uint64) for k in range(3))
-
-
-def expand_paged(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (srcs, dsts, lengths) block list of ``copies``: entry by entry, pages in order.
-
-    Raises ``PagesOutsideBuffers`` as the device copy does.
-    """
-    return _blocks_of(copies, merge_runs=False)
-
-
-def merged_page_runs(copies: Sequence[PagedCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(srcs, dsts, lengths) of ``copies`` with pages consecutive on both sides merged into one entry
-    (what the host copier writes: one memmove per run).
-
-    Raises ``PagesOutsideBuffers`` before anything is built, as every copier does.
-    """
-    return _blocks_of(copies, merge_runs=True)
 
 
 class _PagedPlan(NamedTuple):
@@ -294,11 +164,8 @@ def _paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
 
 
 def paged_plan(copies: Sequence[PagedCopy], chunk: int) -> _PagedPlan:
-    """The launch plan of ``copies`` (a table's head and page limits), cached by their shape
-    when every template is read-only (``paged_segments``)."""
+    """The launch plan of ``copies`` (a table's head and page limits), cached by their shape."""
     global _plans_words
-    if any(c.segments.flags.writeable for c in copies):
-        return _paged_plan(copies, chunk)
     key = (chunk, *[(id(c.segments), len(c.src_pages), c.src_limit, c.dst_limit) for c in copies])
     plan = LAUNCH_PLANS.get(key)
     if plan is None:
@@ -330,21 +197,6 @@ def fill_paged_table(reserve, copies: Sequence[PagedCopy], chunk: int) -> tuple[
     if np.count_nonzero(words[len(plan.head):plan.words] >= plan.limits):
         raise pages_outside(copies) or BatchCopyError("paged copy page check disagrees with itself")
     return plan.programs, 8 * plan.words
-
-
-class HostBatchCopy:
-    """Host memory through ctypes, one memmove per entry."""
-
-    backend = "host"
-
-    def copy(self, srcs, dsts, lengths) -> None:
-        s, d, n = as_batch(srcs, dsts, lengths)
-        for src, dst, length in zip(s.tolist(), d.tolist(), n.tolist()):
-            if length:
-                ctypes.memmove(dst, src, length)
-
-    def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
-        self.copy(*merged_page_runs(copies))
 
 
 # --- CUDA ---------------------------------------------------------------------
@@ -422,20 +274,19 @@ class _Lane:
             self.host_words = self.host.numpy().view(np.uint64)
             self.host_ptr = self.host.data_ptr()
             self.device_table = torch.empty(capacity // 8, dtype=torch.int64, device=f"cuda:{self.device}")
-            self.device_bytes = self.device_table.view(torch.uint8)
             self.device_ptr = self.device_table.data_ptr()
             self.capacity = capacity
         return self.host_words
 
 
 class CudaBatchCopy:
-    """Batched copies on one GPU: one Triton kernel launch per batch, after one small
-    host-to-device copy of its launch table; ``copy``/``copy_pages`` return once it landed.
+    """Paged copies on one GPU: one Triton kernel launch per batch, after one small
+    host-to-device copy of its launch table; ``copy_pages`` returns once it landed.
 
-    The kernel is compiled and probed byte by byte at every access width (16, 8
-    and 1 bytes) when the copier is built, so no request ever compiles or meets
-    an untested path. Thread-safe: each concurrent call takes a lane (stream,
-    pinned and device table buffers) of its own, reused afterwards.
+    The kernel is compiled, and probed byte by byte at every access width (16, 8
+    and 1 bytes) through the launcher every copy uses, when the copier is built:
+    no request ever compiles or meets an untested path. Thread-safe: each
+    concurrent call takes a lane (stream, pinned and device table) of its own.
     """
 
     backend = "triton"
@@ -452,32 +303,24 @@ class CudaBatchCopy:
         except Exception as exc:  # not installed, or a broken install
             raise BatchCopyError(f"the batched copy needs Triton, which does not import: {exc}") from exc
         self._torch = torch
-        self._kernel = batch_copy_kernel.paged_copy_kernel
         self.device = device
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
-        # diagnostics: CPU time of the last call up to its synchronize
-        self.last_submit_s: Optional[float] = 0.0
         with torch.cuda.device(device):
             torch.cuda.init()
         self._context = DeviceContext(device)
         try:
-            self._runtime: Optional[cuda_libs.CudaRuntime] = cuda_libs.cuda_runtime(loaded_only=True)
-        except cuda_libs.CudaLibraryError:
-            self._runtime = None  # uploads and waits then go through torch
+            self._runtime = cuda_libs.process_runtime()
+        except cuda_libs.CudaLibraryError as exc:
+            raise BatchCopyError(str(exc)) from exc
         try:
             with torch.cuda.device(device):
                 dummy = torch.empty(2, dtype=torch.int64, device=f"cuda:{device}")
-                self._compiled = self._kernel.warmup(dummy, PAGED_CHUNK_BYTES, grid=(1,))
+                # launched through the compiled kernel's own launcher: no per-call argument binding
+                self._compiled = batch_copy_kernel.paged_copy_kernel.warmup(dummy, PAGED_CHUNK_BYTES, grid=(1,))
         except Exception as exc:  # no compiler, a Triton that refuses the kernel
             raise BatchCopyError(f"the batched copy's kernel does not compile: {exc}") from exc
-        # The compiled kernel's own launcher skips the JIT's per-call argument binding;
-        # a Triton whose launcher differs falls back to the JIT launch (probed both ways).
-        self._fast_launch = True
         why = self._probe()
-        if why is not None:
-            self._fast_launch = False
-            why = self._probe()
         if why is not None:
             raise BatchCopyError(f"the batched copy's kernel does not run: its probe {why}")
 
@@ -502,13 +345,8 @@ class CudaBatchCopy:
         except Exception as exc:
             return f"failed: {exc}"
 
-    def copy(self, srcs, dsts, lengths) -> None:
-        """A block list, as one launch (each block a buffer of one page)."""
-        self.copy_pages([block_copy(srcs, dsts, lengths)])
-
     def copy_pages(self, copies: Sequence[PagedCopy]) -> None:
         """Every page pair of ``copies`` in one launch of the paged kernel (no block list)."""
-        started = time.perf_counter()
         if not copies:
             return
         previous = self._context.enter()
@@ -516,7 +354,7 @@ class CudaBatchCopy:
         try:
             lane = self._take_lane()
             try:
-                self._launch(lane, copies, started)
+                self._launch(lane, copies)
             finally:  # even after a failure: nothing queued may land after we return
                 self._sync(lane)
         except BatchCopyError:
@@ -541,15 +379,11 @@ class CudaBatchCopy:
 
     def _sync(self, lane: _Lane) -> None:
         """Wait for everything queued on the lane; raises if any of it failed."""
-        rt = self._runtime
-        if rt is None:
-            lane.stream.synchronize()
-            return
-        err = rt.lib.cudaStreamSynchronize(lane.stream_handle)
+        err = self._runtime.lib.cudaStreamSynchronize(lane.stream_handle)
         if err:
-            raise BatchCopyError(f"paged copy on cuda:{self.device} failed: {rt.error(err)}")
+            raise BatchCopyError(f"paged copy on cuda:{self.device} failed: {self._runtime.error(err)}")
 
-    def _launch(self, lane: _Lane, copies: Sequence[PagedCopy], started: float) -> None:
+    def _launch(self, lane: _Lane, copies: Sequence[PagedCopy]) -> None:
         """Fill and upload the lane's table, then launch (the caller waits).
 
         The table goes by the copy engine. (A one-program kernel reading it from
@@ -560,29 +394,15 @@ class CudaBatchCopy:
         if not programs:
             return
         rt = self._runtime
-        if rt is not None:
-            err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, cuda_libs.MEMCPY_HOST_TO_DEVICE,
-                                         lane.stream_handle)
-            if err:
-                rt.lib.cudaGetLastError()
-                raise BatchCopyError(f"uploading the launch table failed: {rt.error(err)}")
-        else:
-            with self._torch.cuda.stream(lane.stream):
-                lane.device_bytes[:used].copy_(lane.host[:used], non_blocking=True)
-        launched = False
-        if self._fast_launch:
-            try:
-                self._compiled[(programs, 1, 1)](lane.device_ptr, PAGED_CHUNK_BYTES, stream=lane.stream_handle)
-                launched = True
-            except (TypeError, AttributeError):  # a Triton whose launcher differs
-                self._fast_launch = False
-        if not launched:
-            with self._torch.cuda.stream(lane.stream):
-                self._kernel[(programs,)](lane.device_table, PAGED_CHUNK_BYTES)
-        self.last_submit_s = time.perf_counter() - started
+        err = rt.lib.cudaMemcpyAsync(lane.device_ptr, lane.host_ptr, used, cuda_libs.MEMCPY_HOST_TO_DEVICE,
+                                     lane.stream_handle)
+        if err:
+            rt.lib.cudaGetLastError()
+            raise BatchCopyError(f"uploading the launch table failed: {rt.error(err)}")
+        self._compiled[(programs, 1, 1)](lane.device_ptr, PAGED_CHUNK_BYTES, stream=lane.stream_handle)
 
 
-def batch_copy_for(device: Optional[int]) -> BatchCopy:
+def batch_copy_for(device: Optional[int]) -> CudaBatchCopy:
     """The CUDA batch copier for ``device`` (None: the current one).
 
     Raises BatchCopyError when it cannot be built (no usable GPU, no Triton, a

@@ -16,22 +16,21 @@ import numpy as np
 
 from sglang_dsv41 import metrics
 from sglang_dsv41.mooncake_nvlink.kv_staging import held
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopy, BatchCopyError
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError
 from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import SESSION_FAILED, TEARDOWN, SessionMappings
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     FALLBACK_NO_PEER_MAP,
-    PAGED_FEW_BLOCKS,
+    FEW_BLOCKS,
     BoundLayout,
     PagedLayout,
     PeerMap,
     PeerMapError,
     PeerTarget,
     PeerTransport,
+    PeerWrites,
     bind_layout,
     encode_peer_map,
     find_peer_map,
-    send_paged_batch,
-    send_peer_batch,
 )
 from sglang_dsv41.mooncake_nvlink.kv_staging.setting import (
     STAGING_ENV,
@@ -46,17 +45,14 @@ logger = logging.getLogger("sglang_dsv41.mooncake")
 PEER_MAP_ATTR = "_dsv41_peer_map"
 _STATE_ATTR = "_dsv41_kv_staging"
 _SWEEP_EVERY_S = 1.0  # how often a send looks for sessions sglang counts failed
+# Per thread: a layout capture's sink, and why the page path left a send to upstream's blocks.
+_capture = threading.local()
 
-# Tests on machines without a GPU inject a copier and a peer transport here;
-# None = CUDA on the manager's GPU.
-_injected_copier: Optional[BatchCopy] = None
+# Tests on machines without a GPU inject a peer transport here; None = CUDA on the manager's GPU.
 _injected_transport: Optional[PeerTransport] = None
 
-
-def set_batch_copy(copier: Optional[BatchCopy]) -> None:
-    """Use ``copier`` for peer writes in prefill managers built from now on."""
-    global _injected_copier
-    _injected_copier = copier
+# A batch sglang built itself (the page path does not cover its send) goes the direct way.
+BLOCK_PATH = "block_path"
 
 
 def set_peer_transport(transport: Optional[PeerTransport]) -> None:
@@ -91,20 +87,17 @@ def _gpu_id(manager) -> int:
     return gpu_id if isinstance(gpu_id, int) and gpu_id >= 0 else 0
 
 
-def _copier_for(manager) -> BatchCopy:
-    if _injected_copier is not None:
-        return _injected_copier
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
-
-    return batch_copy_for(_gpu_id(manager))
-
-
-def _transport_for(manager, copier: Optional[BatchCopy]) -> PeerTransport:
+def _transport_for(manager, role: str) -> PeerTransport:
+    """The injected transport, else CUDA IPC; only a prefill builds a copier (and its kernel)."""
     if _injected_transport is not None:
         return _injected_transport
     from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport
 
-    return CudaIpcTransport(copier, _gpu_id(manager))
+    if role == "decode":
+        return CudaIpcTransport(None, _gpu_id(manager))
+    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
+
+    return CudaIpcTransport(batch_copy_for(_gpu_id(manager)), _gpu_id(manager))
 
 
 def _peer_maps_released(reason: str) -> None:
@@ -129,13 +122,11 @@ def set_up(manager, device_regions=()) -> None:
     if config is None or role not in ("prefill", "decode"):
         return
     try:
+        state = StagingState(config, _transport_for(manager, role))
         if role == "decode":
-            state = StagingState(config, _transport_for(manager, None))
             regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
             state.exported = state.transport.export(regions)
         else:
-            copier = _copier_for(manager)
-            state = StagingState(config, _transport_for(manager, copier))
             state.mappings = SessionMappings(state.transport, on_release=_peer_maps_released)
     except (BatchCopyError, PeerMapError, RuntimeError, OSError) as exc:
         raise RuntimeError(
@@ -148,7 +139,7 @@ def set_up(manager, device_regions=()) -> None:
                     "exported", state.transport.kind, len(state.exported.regions), len(state.exported.handles))
         return
     logger.info(
-        "[sglang-dsv41] KV peer writes on (prefill side, %s): batches of %d+ device blocks written "
+        "[sglang-dsv41] KV peer writes on (prefill side, %s): sends of %d+ blocks written "
         "straight into the decode's KV", state.transport.kind, config.min_blocks,
     )
 
@@ -230,31 +221,22 @@ def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optiona
     return state.mappings.target(session_id, peer, endpoint if endpoint[0] is not None else None)
 
 
-def send_device_batch(manager, session_id, blocks, write) -> int:
-    """Send ``blocks`` (device-sourced) as one peer write, or directly."""
+def count_device_batch(manager, blocks) -> None:
+    """In peer mode, count a batch of device blocks going the direct way, with why.
+
+    Every send the page path covers is written from its page lists before
+    sglang builds blocks; a batch that reaches the engine is one it left
+    alone, for the reason it gave (``_direct``) or as ``block_path``.
+    """
     state = state_of(manager)
     if state is None or state.mappings is None:
-        return write(blocks)
-    if len(blocks) < state.config.min_blocks:  # before any look-up: most calls are small
-        metrics.count_kv_staging("kv_staging_batches", PAGED_FEW_BLOCKS)
-        return write(blocks)
-    target, why_not = _peer_target(manager, state, session_id)
-    if target is None:
-        metrics.count_kv_staging("kv_staging_batches", why_not)
-        return write(blocks)
-    try:
-        outcome = send_peer_batch(blocks, target, state.config.min_blocks, write)
-    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
-        metrics.count_kv_staging("kv_staging_batches", "failed")
-        logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s", session_id, type(exc).__name__, exc)
-        return held.fail_room(manager, f"KV peer write failed: {type(exc).__name__}: {exc}")
-    metrics.count_kv_staging("kv_staging_batches", outcome.fallback or "peer")
-    return outcome.rc
+        return
+    why = FEW_BLOCKS if len(blocks) < state.config.min_blocks else getattr(_capture, "why", None) or BLOCK_PATH
+    metrics.count_kv_staging("kv_staging_batches", why)
 
 
 # --- prefill: one transfer call from page lists (peer mode) --------------------------------
 
-_capture = threading.local()
 _ONE_PAGE = np.zeros(1, dtype=np.int32)
 
 
@@ -294,8 +276,8 @@ _MAX_LAYOUTS = 1024  # kinds of call remembered (sessions x state types); past i
 class _LearntCall:
     layout: PagedLayout
     # (the peer map it was last checked against, the bound layout or None when it cannot
-    # take the page path): replaced as one value, transfer threads share it
-    checked: Optional[tuple[PeerTarget, Optional[BoundLayout]]] = None
+    # take the page path, why not): replaced as one value, transfer threads share it
+    checked: Optional[tuple[PeerTarget, Optional[BoundLayout], Optional[str]]] = None
 
 
 def _layout_key(session_id, state_type, force_flat, *lists) -> tuple:
@@ -343,12 +325,13 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
     Upstream turns the page lists into one block per page run and buffer (a
     thousand for a long fragmented request) before the transfer call; here the
     call's layout is learnt from upstream itself (a dry run for one page), and
-    the pages go as one batched copy built in NumPy. Anything the page path
-    does not cover (another mode, no peer map, separate destination pages per
-    buffer, few blocks, sources outside device memory, destinations outside
-    the map) is upstream's call as it was, through the block path. A held
-    send's pages are checked when the held writes are made: one outside its
-    buffers fails the request there (its block path is gone by then).
+    the pages go as one peer write built in NumPy: held for the request's one
+    write on a last chunk, else written at once. Anything the page path does
+    not cover (another mode, no peer map, separate destination pages per
+    buffer, layers on upstream's thread pool, few blocks, sources outside
+    device memory, destinations outside the map) is upstream's call as it was,
+    the direct way. A page outside its buffers fails the request, nothing of
+    its write made (the copy checks every page before it writes).
     """
     if held.room_failed():  # a peer write of this request failed: nothing more goes to its pages
         return 0
@@ -361,48 +344,60 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
                     dst_device_data_indices=dst_device_data_indices, dst_device_data_ptrs=dst_device_data_ptrs,
                     dst_item_lens=dst_item_lens, bootstrap_room=bootstrap_room)
 
+    def direct(why: Optional[str] = None) -> int:
+        """Upstream's call as it was; its device batches are counted with ``why`` (``count_device_batch``)."""
+        _capture.why = why
+        try:
+            return original(self, **call_as_given())
+        finally:
+            _capture.why = None
+
     state = state_of(self)
-    if state is None or state.mappings is None or dst_device_data_indices is not None or _layers_on_executor(self):
+    if state is None or state.mappings is None:
         return original(self, **call_as_given())
+    if dst_device_data_indices is not None or _layers_on_executor(self):
+        return direct()
     routing = routing_state(self)
-    target = _peer_target(self, state, mooncake_session_id)[0] if routing is not None else None
+    target, why_not = _peer_target(self, state, mooncake_session_id) if routing is not None else (None, None)
     if target is None:
-        return original(self, **call_as_given())  # the block path counts why
+        return direct(why_not)
     key = _layout_key(mooncake_session_id, state_type, force_flat, src_data_ptrs, dst_data_ptrs, item_lens,
                       src_layer_ids, dst_layer_ids, dst_item_lens)
     rc, learnt = _paged_layout(original, self, state, key, call_as_given)
     if rc != 0:  # upstream refused this call (its layout checks) and has concluded it
         return rc
     if learnt is None:  # every entry elided, or not upstream's one-batch path: as it was
-        return original(self, **call_as_given())
+        return direct()
     checked = learnt.checked
     if checked is None or checked[0] is not target:  # first use, or the decode registered again
         bound, why_not = bind_layout(learnt.layout, target, routing.kinds.device_bytes_from)
-        learnt.checked = checked = (target, bound)
+        learnt.checked = checked = (target, bound, why_not)
         if why_not is not None:
-            logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) take the "
-                        "block path: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
+            logger.info("[sglang-dsv41] KV peer writes: sends of %d buffers to %s (state %s) go the "
+                        "direct way: %s", len(learnt.layout), mooncake_session_id, state_type, why_not)
     bound = checked[1]
     if bound is None:
-        return original(self, **call_as_given())
+        return direct(checked[2])
     writes = held.holding()
-    if writes is not None:
-        if writes.add_pages(bound, prefill_data_indices, dst_data_indices) is not None:
-            return original(self, **call_as_given())  # pages this layout cannot take: the block path, at once
-        metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+    if writes is None:
+        # Written at once: not worth a launch when upstream's blocks (one per buffer and
+        # page at most) are under the threshold.
+        if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
+            return direct(FEW_BLOCKS)
+        writes = PeerWrites()
+    why_not = writes.add_pages(bound, prefill_data_indices, dst_data_indices)
+    if why_not is not None:
+        return direct(why_not)
+    metrics.count_kv_staging("kv_staging_batches", "peer_pages")
+    if writes is held.holding():
         return 0
-    if len(learnt.layout) * len(prefill_data_indices) < state.config.min_blocks:
-        return original(self, **call_as_given())  # too few blocks however the pages run
     try:
-        outcome = send_paged_batch(bound, prefill_data_indices, dst_data_indices, state.config.min_blocks)
-    except Exception as exc:  # a failed copy: this request's transfer fails, nothing falls back
+        writes.flush()
+    except Exception as exc:  # a failed copy or a page outside its buffers: this request fails
         metrics.count_kv_staging("kv_staging_batches", "failed")
         logger.error("[sglang-dsv41] KV peer write to %s failed: %s: %s",
                      mooncake_session_id, type(exc).__name__, exc)
         return held.fail_room(self, f"KV peer write failed: {type(exc).__name__}: {exc}")
-    if outcome.fallback is not None:
-        return original(self, **call_as_given())
-    metrics.count_kv_staging("kv_staging_batches", "peer_pages")
     return 0
 
 
@@ -412,11 +407,8 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
 # last chunk makes three or four (its KV, then the state). On a transfer worker
 # thread, the page-path sends of a last chunk are held (``PeerWrites``) and
 # written as one batch before anything can tell the decode, or the prefill's
-# scheduler, that the request is done. Only page-path sends are held: their
-# sources are KV and state pool pages, which stay put until the request is
-# concluded; a block batch may come from a scratch buffer sglang reuses at once
-# (a DCP pack buffer, a staging buffer), so the block path writes at once. The
-# barriers:
+# scheduler, that the request is done. Their sources are KV and state pool
+# pages, which stay put until the request is concluded. The barriers:
 # - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
 #   the room for an abort and before it counts the chunk as drained (the abort
 #   acknowledgement waits for that count);

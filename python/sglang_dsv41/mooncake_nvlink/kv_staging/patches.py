@@ -39,8 +39,8 @@ PATCHES: tuple[Patch, ...] = (
         roles=roles(Role.SCHEDULER),
         reason="KV peer writes, prefill side: read a decode peer's map from the trailing frames "
         "of its registration message and keep it on the parsed registration info, which the "
-        "transfer funnel (MC-NVL-TRANSFER) looks up per session; a malformed map is logged and "
-        "ignored (that decode's batches go the direct way).",
+        "page path (MC-KVS-PAGES) looks up per session; a malformed map is logged and "
+        "ignored (that decode's sends go the direct way).",
         source="none: added here (the original fork sends every block directly)",
         signature="(cls, msg: List[bytes])",
         ast_sha="e3ae6829911ff4f1",
@@ -57,7 +57,8 @@ PATCHES: tuple[Patch, ...] = (
         "them into one block per page run and buffer. The call's buffer pairing is learnt "
         "from upstream itself (a dry run for one page, which MC-NVL-TRANSFER keeps from the "
         "engine) and the pages go as one peer write built from the lists, with no block list. "
-        "Calls it does not cover run upstream's code unchanged. A no-op in other modes.",
+        "Calls it does not cover run upstream's code unchanged (the direct way, counted). "
+        "A no-op in other modes.",
         source="none: added here (the original fork sends every block directly)",
         signature="(self, mooncake_session_id: str, src_data_ptrs: list[int], dst_data_ptrs: list[int], item_lens: list[int], prefill_data_indices: npt.NDArray[np.int32], dst_data_indices: npt.NDArray[np.int32], executor: concurrent.futures.ThreadPoolExecutor, state_type: Optional[StateType]=None, force_flat: bool=False, src_layer_ids: Optional[List[int]]=None, dst_layer_ids: Optional[List[int]]=None, dst_device_data_indices: Optional[npt.NDArray[np.int32]]=None, dst_device_data_ptrs: Optional[set[int]]=None, dst_item_lens: list[int] | None=None, bootstrap_room: Optional[int]=None)",
         ast_sha="2ab0979787864fc9",

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
-import itertools
-import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -20,23 +17,24 @@ import numpy as np
 from sglang_dsv41.mooncake_nvlink import cuda_libs
 from sglang_dsv41.mooncake_nvlink.cuda_libs import HANDLE_BYTES
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
-    BatchCopy,
-    BatchCopyError,
+    CudaBatchCopy,
     PagedCopy,
-    PagesOutsideBuffers,
-    expand_paged,
     paged_segments,
 )
 
 PEER_MAP_TAG = b"dsv41-kv-peer-map-v1"
 _ENTRY = struct.Struct(f"<QQQ{HANDLE_BYTES}s")  # region pointer, length, offset in allocation, handle
 MAX_PEER_REGIONS = 1 << 14
+# host-cma: another process's host memory, the GPU's stand-in in tests (test/helpers/host_peer.py)
 KINDS = ("cuda-ipc", "host-cma")
 
-# Why a batch took the direct path instead of a peer write (metric label values).
+# Why a send went the direct way instead of a peer write (metric label values).
 FALLBACK_NO_PEER_MAP = "no_peer_map"
 FALLBACK_PEER_MAP_FAILED = "peer_map_unusable"
 FALLBACK_OUTSIDE_PEER_MAP = "outside_peer_map"
+FEW_BLOCKS = "few_blocks"
+SOURCE_NOT_DEVICE = "source_not_device"
+NOT_PAGES = "not_pages"
 
 
 class PeerMapError(RuntimeError):
@@ -156,35 +154,20 @@ class PeerTarget:
         self.peer = peer
         self.transport = transport
         self._opened = list(opened)
-        self._starts = np.array([peer.regions[i].ptr for i in order], dtype=np.uint64)
-        self._ends = np.array([peer.regions[i].ptr + peer.regions[i].length for i in order], dtype=np.uint64)
-        self._mapped = np.array([mapped_starts[i] for i in order], dtype=np.uint64)
-        # The same table as Python ints, for look-ups one address at a time.
-        self._start_list = self._starts.tolist()
-        self._end_list = self._ends.tolist()
-        self._mapped_list = self._mapped.tolist()
+        self._starts = [peer.regions[i].ptr for i in order]
+        self._ends = [peer.regions[i].ptr + peer.regions[i].length for i in order]
+        self._mapped = [mapped_starts[i] for i in order]
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False
         self._closed = False
-        self.context: object = None  # what the transport needs to write (host-cma: the pid)
-
-    def translate(self, dsts: np.ndarray, lengths: np.ndarray) -> tuple[Optional[np.ndarray], Optional[int]]:
-        """(local destinations, None), or (None, index of the first span inside no region)."""
-        idx = np.searchsorted(self._starts, dsts, side="right").astype(np.int64) - 1
-        safe = np.where(idx >= 0, idx, 0)
-        ends = dsts + lengths
-        ok = (idx >= 0) & (ends >= dsts) & (ends <= self._ends[safe])
-        if not ok.all():
-            return None, int(np.argmin(ok))
-        return dsts - self._starts[safe] + self._mapped[safe], None
 
     def locate(self, dst: int) -> Optional[tuple[int, int]]:
         """(local address of ``dst``, bytes from it to its region's end), or None outside the map."""
-        k = bisect.bisect_right(self._start_list, dst) - 1
-        if k < 0 or dst >= self._end_list[k]:
+        k = bisect.bisect_right(self._starts, dst) - 1
+        if k < 0 or dst >= self._ends[k]:
             return None
-        return dst - self._start_list[k] + self._mapped_list[k], self._end_list[k] - dst
+        return dst - self._starts[k] + self._mapped[k], self._ends[k] - dst
 
     def acquire(self) -> bool:
         with self._lock:
@@ -219,9 +202,6 @@ class PeerTransport(Protocol):
     def open(self, peer: PeerMap) -> PeerTarget:
         """Map a peer's regions here; PeerMapError when it cannot be done."""
 
-    def write(self, target: PeerTarget, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray) -> None:
-        """One batch from local sources to translated destinations; returns when it landed."""
-
     def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         """Paged copies (destinations translated) as one batch; returns when it landed."""
 
@@ -229,7 +209,8 @@ class PeerTransport(Protocol):
         """Give back mappings ``open`` made (reference counted per handle)."""
 
 
-def _check_peer(peer: PeerMap, kind: str) -> None:
+def check_peer(peer: PeerMap, kind: str) -> None:
+    """PeerMapError unless ``peer`` is of ``kind`` and exported on this host."""
     if peer.kind != kind:
         raise PeerMapError(f"peer exported {peer.kind} regions; this side writes with {kind}")
     here = host_identity()
@@ -244,11 +225,11 @@ _CUDA_IPC_LAZY_PEER_ACCESS = 1
 
 
 class CudaIpcTransport:
-    """Decode regions exported as CUDA IPC handles; batches written with the batched copy."""
+    """Decode regions exported as CUDA IPC handles; writes made with the paged copy."""
 
     kind = "cuda-ipc"
 
-    def __init__(self, copier: Optional[BatchCopy], device: int, runtime=None, driver=None):
+    def __init__(self, copier: Optional[CudaBatchCopy], device: int, runtime=None, driver=None):
         """``copier``: None on a decode, which only exports. ``runtime``/``driver``: the CUDA
         runtime (a ``cuda_libs.CudaRuntime``) and driver library, or stand-ins with the same
         calls (tests); found in the process when None."""
@@ -256,10 +237,7 @@ class CudaIpcTransport:
         self.device = device
         try:
             if runtime is None:
-                try:  # torch's own runtime first: the same current device and context as its kernels
-                    runtime = cuda_libs.cuda_runtime(loaded_only=True)
-                except cuda_libs.CudaLibraryError:
-                    runtime = cuda_libs.cuda_runtime()
+                runtime = cuda_libs.process_runtime()
             self._driver = driver if driver is not None else cuda_libs.cuda_driver()
         except cuda_libs.CudaLibraryError as exc:
             raise PeerMapError(str(exc)) from exc
@@ -304,7 +282,7 @@ class CudaIpcTransport:
         return PeerMap(self.kind, host_identity(), tuple(out))
 
     def open(self, peer: PeerMap) -> PeerTarget:
-        _check_peer(peer, self.kind)
+        check_peer(peer, self.kind)
         self._on_device()
         opened: list[bytes] = []
         bases: dict[bytes, int] = {}
@@ -347,9 +325,6 @@ class CudaIpcTransport:
             self._mapped[handle] = [base, 1, size]
             return base
 
-    def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
-        self.copier.copy(srcs, dsts, lengths)
-
     def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
         self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
 
@@ -371,149 +346,6 @@ class CudaIpcTransport:
     def open_mappings(self) -> int:
         with self._lock:
             return len(self._mapped)
-
-
-# --- host memory of another process -------------------------------------------------------
-
-
-class IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_IOV_MAX = 1024
-_PID = struct.Struct("<Q")
-
-
-class HostCmaTransport:
-    """Another process's host memory written with ``process_vm_writev`` (cross memory attach)."""
-
-    kind = "host-cma"
-
-    def __init__(self):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        self._writev = libc.process_vm_writev
-        self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(IoVec), ctypes.c_ulong,
-                                 ctypes.POINTER(IoVec), ctypes.c_ulong, ctypes.c_ulong]
-        self._writev.restype = ctypes.c_ssize_t
-        self._readv = libc.process_vm_readv
-        self._readv.argtypes, self._readv.restype = self._writev.argtypes, ctypes.c_ssize_t
-        self._opened = 0
-        self._lock = threading.Lock()
-
-    def export(self, regions: Sequence[tuple[int, int]]) -> PeerMap:
-        handle = _PID.pack(os.getpid()).ljust(HANDLE_BYTES, b"\0")
-        out = tuple(PeerRegion(int(p), int(n), 0, handle) for p, n in regions if int(n) > 0)
-        if not out:
-            raise PeerMapError("no region to export")
-        return PeerMap(self.kind, host_identity(), out)
-
-    def open(self, peer: PeerMap) -> PeerTarget:
-        _check_peer(peer, self.kind)
-        pids = {_PID.unpack(r.handle[:_PID.size])[0] for r in peer.regions}
-        if len(pids) != 1:
-            raise PeerMapError(f"host peer map names {len(pids)} processes")
-        pid = pids.pop()
-        if pid == os.getpid():
-            raise PeerMapError("host peer map names this very process")
-        # Read one byte of the first region: the same permission a write needs,
-        # without touching the peer's memory.
-        probe = ctypes.c_char()
-        local = IoVec(ctypes.cast(ctypes.byref(probe), ctypes.c_void_p), 1)
-        remote = IoVec(peer.regions[0].ptr, 1)
-        if self._readv(int(pid), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 1:
-            err = ctypes.get_errno()
-            raise PeerMapError(f"process {pid} cannot be written: {os.strerror(err) if err else 'short read'}")
-        with self._lock:
-            self._opened += 1
-        target = PeerTarget(peer, [r.ptr for r in peer.regions], self, [peer.regions[0].handle])
-        target.context = pid
-        return target
-
-    def write(self, target: PeerTarget, srcs, dsts, lengths) -> None:
-        pid = target.context
-        s, d, n = (np.asarray(a, dtype=np.uint64) for a in (srcs, dsts, lengths))
-        i, done_in_entry = 0, 0
-        while i < len(n):
-            count = min(_IOV_MAX, len(n) - i)
-            local = (IoVec * count)()
-            remote = (IoVec * count)()
-            for k in range(count):
-                skip = done_in_entry if k == 0 else 0
-                size = int(n[i + k]) - skip
-                local[k].base, local[k].len = int(s[i + k]) + skip, size
-                remote[k].base, remote[k].len = int(d[i + k]) + skip, size
-            wrote = self._writev(int(pid), local, count, remote, count, 0)
-            if wrote < 0:
-                err = ctypes.get_errno()
-                raise BatchCopyError(f"process_vm_writev to {pid} failed: {os.strerror(err)}")
-            if wrote == 0:
-                raise BatchCopyError(f"process_vm_writev to {pid} made no progress")
-            while wrote > 0:  # advance over what landed (a partial write stops at a page)
-                left = int(n[i]) - done_in_entry
-                if wrote >= left:
-                    wrote -= left
-                    i, done_in_entry = i + 1, 0
-                else:
-                    done_in_entry += wrote
-                    wrote = 0
-
-    def write_pages(self, target: PeerTarget, copies: Sequence[PagedCopy]) -> None:
-        self.write(target, *expand_paged(copies))
-
-    def close(self, opened: Sequence[bytes]) -> None:
-        with self._lock:
-            self._opened -= 1
-
-    @property
-    def open_mappings(self) -> int:
-        with self._lock:
-            return self._opened
-
-
-# --- prefill: one batch -------------------------------------------------------------------
-
-
-def as_triples(blocks: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(srcs, dsts, lengths) as uint64 arrays from the engine's (src, dst, length) blocks."""
-    try:  # C-level conversion: a batch can be a thousand blocks
-        flat = np.fromiter(
-            itertools.chain.from_iterable(blocks), dtype=np.int64, count=3 * len(blocks)
-        ).reshape(-1, 3).view(np.uint64)
-    except (ValueError, TypeError, OverflowError):  # not plain (src, dst, length) triples
-        flat = np.array([[int(v) for v in block[:3]] for block in blocks], dtype=np.uint64)
-    return flat[:, 0], flat[:, 1], flat[:, 2]
-
-
-@dataclass(frozen=True)
-class PeerOutcome:
-    """``rc`` as the engine would answer; ``fallback`` names why no peer write was made."""
-
-    rc: int
-    fallback: Optional[str] = None
-    nbytes: int = 0
-
-
-def send_peer_batch(blocks, target: Optional[PeerTarget], min_blocks: int, write_direct) -> PeerOutcome:
-    """One transfer batch: a peer write when it qualifies, else ``write_direct(blocks)``.
-
-    A failed peer write raises (BatchCopyError, ...): the caller turns it into
-    the request's transfer failure. Nothing was half-sent the direct way.
-    """
-    if len(blocks) < min_blocks:
-        return PeerOutcome(write_direct(blocks), "few_blocks")
-    if target is None:
-        return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
-    srcs, dsts, lengths = as_triples(blocks)
-    local, outside = target.translate(dsts, lengths)
-    if local is None:
-        return PeerOutcome(write_direct(blocks), FALLBACK_OUTSIDE_PEER_MAP)
-    if not target.acquire():  # retired meanwhile: a newer map replaced it
-        return PeerOutcome(write_direct(blocks), FALLBACK_NO_PEER_MAP)
-    try:
-        target.transport.write(target, srcs, local, lengths)
-    finally:
-        target.release()
-    return PeerOutcome(0, None, int(lengths.sum()))
 
 
 # --- prefill: one call from page lists --------------------------------------------------
@@ -563,15 +395,15 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     region of this process holding it, 0 when it is not device memory.
     """
     if not len(layout) or any(n <= 0 or max(s, d) >= _ADDRESS_CEILING for s, d, n in layout.entries):
-        return None, PAGED_NOT_PAGES  # (the table is built in int64: no address near its top)
+        return None, NOT_PAGES  # (the table is built in int64: no address near its top)
     entries, src_pages, dst_pages = [], [], []
     for s, d, n in layout.entries:
         room = device_bytes_from(s)
         if room < n:
-            return None, PAGED_SOURCE_NOT_DEVICE
+            return None, SOURCE_NOT_DEVICE
         found = target.locate(d)
         if found is None or found[1] < n:
-            return None, PAGED_OUTSIDE_PEER_MAP
+            return None, FALLBACK_OUTSIDE_PEER_MAP
         entries.append((s, found[0], n))
         src_pages.append(room // n)
         dst_pages.append(found[1] // n)
@@ -581,69 +413,6 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
 
 
 _ADDRESS_CEILING = 1 << 62
-
-# Up to this many pages a Python loop finds the runs faster than NumPy's calls (measured on
-# the H200 host: 32 pages 7 us in Python, 22 us in NumPy).
-_SMALL_PAGE_LIST = 128
-
-
-def _page_array(pages) -> Optional[np.ndarray]:
-    arr = np.asarray(pages)
-    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
-        return None
-    return arr
-
-
-@dataclass(frozen=True)
-class PageRuns:
-    """A call's (src, dst) page pairs as runs where both sides go up by one."""
-
-    first_src: Sequence[int]  # Python lists for short calls, int64 arrays for long ones
-    first_dst: Sequence[int]
-    counts: Sequence[int]
-    src_end: int  # highest page + 1, per side
-    dst_end: int
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-
-def page_runs(src_pages, dst_pages) -> Optional[PageRuns]:
-    """The runs of a call's page lists; None when they cannot describe a transfer
-    (different lengths, empty, not integers, negative pages): the caller leaves
-    such a call to the block path.
-    """
-    p, d = _page_array(src_pages), _page_array(dst_pages)
-    if p is None or d is None or p.shape != d.shape:
-        return None
-    if p.size <= _SMALL_PAGE_LIST:
-        ps, ds = p.tolist(), d.tolist()
-        if min(ps) < 0 or min(ds) < 0:
-            return None
-        first_src, first_dst, counts = [ps[0]], [ds[0]], [1]
-        for i in range(1, len(ps)):
-            if ps[i] == ps[i - 1] + 1 and ds[i] == ds[i - 1] + 1:
-                counts[-1] += 1
-            else:
-                first_src.append(ps[i])
-                first_dst.append(ds[i])
-                counts.append(1)
-        return PageRuns(first_src, first_dst, counts, max(ps) + 1, max(ds) + 1)
-    p, d = p.astype(np.int64, copy=False), d.astype(np.int64, copy=False)
-    if min(p.min(), d.min()) < 0:
-        return None
-    breaks = np.flatnonzero((np.diff(p) != 1) | (np.diff(d) != 1))
-    starts = np.empty(breaks.size + 1, dtype=np.int64)
-    starts[0] = 0
-    np.add(breaks, 1, out=starts[1:])
-    return PageRuns(p[starts], d[starts], np.diff(starts, append=p.size), int(p.max()) + 1, int(d.max()) + 1)
-
-
-# Why a call from page lists was left to the block path (then counted there).
-PAGED_FEW_BLOCKS = "few_blocks"
-PAGED_SOURCE_NOT_DEVICE = "source_not_device"
-PAGED_OUTSIDE_PEER_MAP = FALLBACK_OUTSIDE_PEER_MAP
-PAGED_NOT_PAGES = "not_pages"
 
 
 def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
@@ -655,67 +424,6 @@ def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     if p.ndim != 1 or p.shape != d.shape or not p.size or p.dtype.kind not in "iu" or d.dtype.kind not in "iu":
         return None, None
     return p, d
-
-
-def paged_call(bound: BoundLayout, src_pages, dst_pages) -> tuple[Optional[PagedCopy], Optional[str]]:
-    """(the call's paged copy, None), or (None, why the page path cannot take it).
-
-    The copy carries the layout's page counts: writing it refuses pages
-    outside the buffers on either side (``PagesOutsideBuffers``).
-    """
-    p, d = _page_lists(src_pages, dst_pages)
-    if p is None:
-        return None, PAGED_NOT_PAGES
-    return _copy_of(bound, p, d), None
-
-
-def _copy_of(bound: BoundLayout, p: np.ndarray, d: np.ndarray) -> PagedCopy:
-    return PagedCopy(bound.segments, p, d, bound.max_item, bound.page_bytes,
-                     bound.src_pages, bound.dst_pages)
-
-
-def outside_reason(exc: PagesOutsideBuffers) -> str:
-    """The block-path reason for a call whose pages the copy refused."""
-    if exc.negative:
-        return PAGED_NOT_PAGES
-    return PAGED_SOURCE_NOT_DEVICE if exc.side == "source" else PAGED_OUTSIDE_PEER_MAP
-
-
-def _few_blocks(bound: BoundLayout, copy: PagedCopy, min_blocks: int) -> bool:
-    """Would upstream's block list for this call be under ``min_blocks`` blocks?"""
-    entries, pages = len(bound.entries), len(copy.src_pages)
-    if entries * pages < min_blocks:
-        return True
-    if entries >= min_blocks:
-        return False
-    runs = page_runs(copy.src_pages, copy.dst_pages)
-    return runs is not None and entries * len(runs) < min_blocks  # None: negative pages, refused by the copy
-
-
-def send_paged_batch(bound: BoundLayout, src_pages, dst_pages, min_blocks: int) -> PeerOutcome:
-    """One transfer call given as page lists: one peer write of every buffer's pages, or why not.
-
-    No block list: the paged kernel finds each page's address on the device.
-    Returns ``PeerOutcome(rc=0)`` after the copy landed; ``fallback`` set
-    (nothing written) when the call should take the block path, including
-    pages outside the buffers (refused by the copy before it writes); raises
-    when the copy failed (the request's transfer failure).
-    """
-    copy, why_not = paged_call(bound, src_pages, dst_pages)
-    if copy is None:
-        return PeerOutcome(-1, why_not)
-    if _few_blocks(bound, copy, min_blocks):
-        return PeerOutcome(-1, PAGED_FEW_BLOCKS)
-    target = bound.target
-    if not target.acquire():  # retired meanwhile: a newer map replaced it
-        return PeerOutcome(-1, FALLBACK_NO_PEER_MAP)
-    try:
-        target.transport.write_pages(target, [copy])
-    except PagesOutsideBuffers as exc:
-        return PeerOutcome(-1, outside_reason(exc))
-    finally:
-        target.release()
-    return PeerOutcome(0, None, len(copy.src_pages) * bound.page_bytes)
 
 
 class PeerWrites:
@@ -756,13 +464,14 @@ class PeerWrites:
         """
         p, d = _page_lists(src_pages, dst_pages)
         if p is None:
-            return PAGED_NOT_PAGES
+            return NOT_PAGES
         target = bound.target
         if id(target) not in self._held_open and not self._hold_open(target):
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies, as int64 (the launch
         # table's type: the flush then writes them without converting).
-        self._copies.append((target, _copy_of(bound, p.astype(np.int64), d.astype(np.int64))))
+        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64), bound.max_item,
+                                               bound.page_bytes, bound.src_pages, bound.dst_pages)))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None
@@ -781,6 +490,7 @@ class PeerWrites:
         return nbytes
 
     def discard(self) -> None:
+        """Drop what is held, unwritten, and let go of its maps."""
         opened = self._held_open
         self._copies, self._held_open = [], {}
         self.calls, self.nbytes = 0, 0
