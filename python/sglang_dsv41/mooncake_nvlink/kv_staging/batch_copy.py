@@ -45,7 +45,6 @@ class PagedCopy(NamedTuple):
     segments: np.ndarray
     src_pages: np.ndarray
     dst_pages: np.ndarray
-    max_item: int  # the largest bytes per page
     page_bytes: int  # bytes one page pair moves over every buffer
     # Pages every buffer holds on each side: the copy refuses a page at or past
     # it (``PagesOutsideBuffers``) before anything is written.
@@ -103,7 +102,7 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     if sp.ndim != 1 or sp.shape != dp.shape or sp.dtype.kind not in "iu" or dp.dtype.kind not in "iu":
         raise BatchCopyError("paged copy page lists must be two integer arrays of one length")
     if not len(rows) or not len(sp):
-        return PagedCopy(paged_segments(rows), sp, dp, 0, 0)
+        return PagedCopy(paged_segments(rows), sp, dp, 0)
     if rows.min() <= 0:
         raise BatchCopyError("paged copy entries need non-null addresses and positive bytes per page")
     if min(int(sp.min()), int(dp.min())) < 0:
@@ -112,7 +111,7 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
     top = int(rows[:, :2].max()) + (max(int(sp.max()), int(dp.max())) + 1) * item
     if top >= _ADDRESS_LIMIT or item > _LENGTH_LIMIT:
         raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
-    return PagedCopy(paged_segments(rows), sp, dp, item, int(rows[:, 2].sum()))
+    return PagedCopy(paged_segments(rows), sp, dp, int(rows[:, 2].sum()))
 
 
 class _PagedPlan(NamedTuple):

@@ -193,7 +193,7 @@ def after_teardown(result, self):
     return None
 
 
-# --- prefill: one device batch ------------------------------------------------------------
+# --- prefill: a decode session's map, and the batches that go the direct way ----------------
 
 
 def _sweep_failed_sessions(manager, state: StagingState) -> None:
@@ -226,7 +226,7 @@ def count_device_batch(manager, blocks) -> None:
 
     Every send the page path covers is written from its page lists before
     sglang builds blocks; a batch that reaches the engine is one it left
-    alone, for the reason it gave (``_direct``) or as ``block_path``.
+    alone, for the reason the page path gave or as ``block_path``.
     """
     state = state_of(manager)
     if state is None or state.mappings is None:

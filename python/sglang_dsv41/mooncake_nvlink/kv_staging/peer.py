@@ -384,7 +384,6 @@ class BoundLayout:
     src_pages: int  # pages every source buffer holds from page 0
     dst_pages: int  # pages every destination buffer holds from page 0, inside the peer map
     segments: np.ndarray  # int64 (entries x 5): the above as the paged copy's segment template
-    max_item: int
     page_bytes: int  # bytes one page pair moves over every entry
 
 
@@ -409,7 +408,7 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
         dst_pages.append(found[1] // n)
     rows = np.array(entries, dtype=np.int64).reshape(-1, 3)
     return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows),
-                       max(e[2] for e in entries), sum(e[2] for e in entries)), None
+                       sum(e[2] for e in entries)), None
 
 
 _ADDRESS_CEILING = 1 << 62
@@ -470,7 +469,7 @@ class PeerWrites:
             return FALLBACK_NO_PEER_MAP
         # The caller's arrays may change once it returns: hold copies, as int64 (the launch
         # table's type: the flush then writes them without converting).
-        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64), bound.max_item,
+        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64),
                                                bound.page_bytes, bound.src_pages, bound.dst_pages)))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
