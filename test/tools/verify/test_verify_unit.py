@@ -151,7 +151,9 @@ def test_pd_needs_batches_that_went_as_peer_writes():
     peer = side("peer", [[1]], metrics='sglang_dsv41_kv_staging_batches_total{path="few_blocks"} 4.0')
     verdict = evaluate.evaluate_pd(peer, side("direct", [[1]]))
     assert verdict["status"] == "fail" and "no transfer batch went as a peer write" in verdict["detail"]
-    peer["procs"][0]["metrics"] = 'sglang_dsv41_kv_staging_batches_total{path="peer"} 4.0'
+    peer["procs"][0]["metrics"] = 'sglang_dsv41_kv_staging_batches_total{path="block_path"} 4.0'
+    assert evaluate.evaluate_pd(peer, side("direct", [[1]]))["status"] == "fail"  # went the direct way
+    peer["procs"][0]["metrics"] = 'sglang_dsv41_kv_staging_batches_total{path="peer_pages"} 4.0'
     assert evaluate.evaluate_pd(peer, side("direct", [[1]]))["status"] == "pass"
 
 

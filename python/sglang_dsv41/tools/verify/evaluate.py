@@ -184,8 +184,7 @@ def evaluate_pd(peer: dict, direct: dict) -> dict:
     batches = {s["label"]: {k: v for p in s["procs"] for k, v in
                             metric_values(p.get("metrics"), PREFIX + "kv_staging_batches_total").items()}
                for s in (peer, direct)}
-    written = sum(v for k, v in batches[peer["label"]].items() if k in ('{path="peer"}',
-                                                                      '{path="peer_pages"}'))
+    written = batches[peer["label"]].get('{path="peer_pages"}', 0)
     failed = batches[peer["label"]].get('{path="failed"}', 0)
     verdict["figures"]["kv_staging_batches"] = batches
     problems = []
