@@ -25,7 +25,7 @@ PAGED_SEGMENT_WORDS = 5  # one segment row of the paged kernel's table
 PAGED_CHUNK_BYTES = 32768
 _MAX_PROGRAMS = (1 << 31) - 1  # a grid's x limit
 NO_PAGE_LIMIT = 1 << 63  # page ids are compared as unsigned: this limit refuses only negative ones
-_ADDRESS_LIMIT = 1 << 62  # no GPU pointer reaches it; below it int64 arithmetic is exact
+ADDRESS_LIMIT = 1 << 62  # no GPU pointer reaches it; below it int64 arithmetic is exact
 _LENGTH_LIMIT = 1 << 45  # 32 TiB: no buffer of any GPU is larger
 
 
@@ -109,7 +109,7 @@ def paged_copy(entries, src_pages, dst_pages) -> PagedCopy:
         raise BatchCopyError("paged copy page ids must not be negative")
     item = int(rows[:, 2].max())
     top = int(rows[:, :2].max()) + (max(int(sp.max()), int(dp.max())) + 1) * item
-    if top >= _ADDRESS_LIMIT or item > _LENGTH_LIMIT:
+    if top >= ADDRESS_LIMIT or item > _LENGTH_LIMIT:
         raise BatchCopyError(f"paged copy reaches {top:#x}: no GPU address range")
     return PagedCopy(paged_segments(rows), sp, dp, int(rows[:, 2].sum()))
 

@@ -17,6 +17,7 @@ import numpy as np
 from sglang_dsv41.mooncake_nvlink import cuda_libs
 from sglang_dsv41.mooncake_nvlink.cuda_libs import HANDLE_BYTES
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (
+    ADDRESS_LIMIT,
     CudaBatchCopy,
     PagedCopy,
     paged_segments,
@@ -393,7 +394,7 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     ``device_bytes_from(addr)``: bytes from ``addr`` to the end of the device
     region of this process holding it, 0 when it is not device memory.
     """
-    if not len(layout) or any(n <= 0 or max(s, d) >= _ADDRESS_CEILING for s, d, n in layout.entries):
+    if not len(layout) or any(n <= 0 or max(s, d) >= ADDRESS_LIMIT for s, d, n in layout.entries):
         return None, NOT_PAGES  # (the table is built in int64: no address near its top)
     entries, src_pages, dst_pages = [], [], []
     for s, d, n in layout.entries:
@@ -409,9 +410,6 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
     rows = np.array(entries, dtype=np.int64).reshape(-1, 3)
     return BoundLayout(target, tuple(entries), min(src_pages), min(dst_pages), paged_segments(rows),
                        sum(e[2] for e in entries)), None
-
-
-_ADDRESS_CEILING = 1 << 62
 
 
 def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
