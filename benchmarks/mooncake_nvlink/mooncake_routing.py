@@ -36,8 +36,12 @@ engine pair and buffers, in interleaved rounds:
               is built and checked beforehand, as the plugin does once per
               kind of call. A table after it shows where a held request's
               time goes (earlier chunks, holding, the write).
-The paths take turns request by request; a time is the median over rounds of
-each round's median, routed/stock the median over rounds of each round's ratio.
+The paths take turns; a turn is two requests of one path, and the second is
+the one timed: its previous request went the same way, as on a transfer worker
+of a server (the first follows another path, whose Python and driver work
+leave this thread's caches cold: its ratio is shown as "after other"). A time
+is the median over rounds of each round's median, routed/stock the median over
+rounds of each round's ratio.
 
 Geometry (``DSV41_*`` below), read from sglang's own ``DeepSeekV4TokenToKVPool``
 built on the CPU for a V4.1-Flash-shaped layer plan (test/mooncake_nvlink/
@@ -579,7 +583,6 @@ def run_dsv41_sender(args) -> None:
     for name, tokens, layout in DSV41_CASES:
         if args.cases and name not in args.cases:
             continue
-        held_phases.clear()
         spans = dsv41_batches(tokens, layout)
         batches = [[(src_addrs[b] + so, dst_addrs[b] + do, n) for b, so, do, n in batch] for batch in spans]
         nbytes = sum(n for batch in spans for *_, n in batch)
@@ -600,15 +603,24 @@ def run_dsv41_sender(args) -> None:
             paths["held"] = held_request(paged, kv_calls)
         for fn in paths.values():  # warm-up: connections, IPC handles
             timed(fn, 3)
+        held_phases.clear()
         samples = {k: [] for k in paths}
+        after_other = {k: [] for k in paths}
         names = list(paths)
         for _ in range(args.rounds):
             times = {k: [] for k in paths}
-            for it in range(args.iters):  # request by request, in turns, so drift hits every path alike
+            firsts = {k: [] for k in paths}
+            for it in range(args.iters):  # in turns, so drift hits every path alike
                 for k in names[it % len(names):] + names[:it % len(names)]:
+                    # A turn is two requests: the first follows another path, the second its own
+                    # kind, as on a transfer worker, whose previous request went the same way.
+                    firsts[k].append(timed(paths[k], 1))
+                    if k == "held":
+                        held_phases.pop()
                     times[k].append(timed(paths[k], 1))
-            for k, v in times.items():
-                samples[k].append(statistics.median(v))
+            for k in paths:
+                samples[k].append(statistics.median(times[k]))
+                after_other[k].append(statistics.median(firsts[k]))
         # The Python cost alone: the engine call replaced by a no-op.
         def noop(blocks):
             if blocks:
@@ -639,6 +651,7 @@ def run_dsv41_sender(args) -> None:
         for k, v in samples.items():
             row[f"{k}_us"] = statistics.median(v) * 1e6
             row[f"{k}_rounds_us"] = [x * 1e6 for x in v]
+            row[f"{k}_after_other_us"] = statistics.median(after_other[k]) * 1e6
         # throughput ratio, paired within each round (1.0 = routing costs nothing)
         row["routed_over_stock"] = statistics.median(
             s / r for s, r in zip(samples["stock"], samples["routed"]))
@@ -647,6 +660,7 @@ def run_dsv41_sender(args) -> None:
         row["python_stock_us"], row["python_routed_us"] = python_us["stock"], python_us["routed"]
         for k in ("held",) if held_request is not None else ():
             row[f"{k}_x_contiguous"] = row[f"{k}_us"] / row["contiguous_us"]
+            row[f"{k}_x_contiguous_after_other"] = row[f"{k}_after_other_us"] / row["contiguous_after_other_us"]
             row[f"{k}_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples[k]))
             row[f"{k}_batches"] = ways_of[k]  # of the byte-exact request: how its calls went
@@ -692,15 +706,16 @@ def print_dsv41(run: dict, title: str, gpu: bool = True) -> None:
     if any("held_us" in r for r in run["rows"]):
         path = "held"
         print(f"\n{'request':>16} {path + ' us':>9} {'contig us':>10} {path + ' x contig':>15} "
-              f"{'stock x contig':>15} {'stock/' + path:>12}  ways")
+              f"{'after other':>12} {'stock x contig':>15} {'stock/' + path:>12}  ways")
         for r in run["rows"]:
             ways = ", ".join(f"{k} {v}" for k, v in sorted(r[f"{path}_batches"].items()))
             print(f"{r['case']:>16} {r[f'{path}_us']:9.0f} {r['contiguous_us']:10.0f} "
-                  f"{r[f'{path}_x_contiguous']:14.1f}x {r['stock_x_contiguous']:14.1f}x "
-                  f"{r[f'{path}_over_stock']:12.2f}  {ways}")
+                  f"{r[f'{path}_x_contiguous']:14.2f}x {r[f'{path}_x_contiguous_after_other']:11.2f}x "
+                  f"{r['stock_x_contiguous']:14.1f}x {r[f'{path}_over_stock']:12.2f}  {ways}")
         print("held: what the plugin does on a transfer worker: earlier chunks' KV calls each written at "
               "once from their page lists, the last chunk's KV call and the state calls held and written "
-              "as one batch; ways: calls, and held writes (one per request)")
+              "as one batch; after other: the same ratio for the first request of each turn, which "
+              "follows another path; ways: calls, and held writes (one per request)")
         print_held_phases(run["rows"])
         print_peer_goals({r["case"]: r[f"{path}_x_contiguous"] for r in run["rows"]}, path=path, gpu=gpu)
     print("us/block: (stock - contiguous) / (blocks - 1); py +us: what the routing adds per request "
@@ -729,7 +744,7 @@ def summarize_dsv41(runs: list[dict]) -> list[dict]:
                  "byte_exact": all(r["byte_exact"] for r in rows)}
         for key in ("routed_over_stock", "stock_x_contiguous", "routed_x_contiguous",
                     "stock_us", "routed_us", "contiguous_us",
-                    "held_us", "held_x_contiguous", "held_over_stock"):
+                    "held_us", "held_x_contiguous", "held_x_contiguous_after_other", "held_over_stock"):
             if key not in first:
                 continue
             vals = [r[key] for r in rows]
@@ -903,11 +918,14 @@ def main_dsv41(args) -> None:
         for path in ("held",):
             if f"{path}_x_contiguous" not in summary[0]:
                 continue
-            print(f"\n{'request':>16} {path + ' us':>24} {path + ' x contiguous':>24} {'stock / ' + path:>24}")
+            print(f"\n{'request':>16} {path + ' us':>24} {path + ' x contiguous':>24} {'after other':>24} "
+                  f"{'stock / ' + path:>24}")
             for e in summary:
-                u, a, b = e[f"{path}_us"], e[f"{path}_x_contiguous"], e[f"{path}_over_stock"]
+                u, a, o, b = (e[f"{path}_us"], e[f"{path}_x_contiguous"], e[f"{path}_x_contiguous_after_other"],
+                              e[f"{path}_over_stock"])
                 print(f"{e['case']:>16} {u['median']:9.0f} [{u['min']:.0f} - {u['max']:.0f}] "
                       f"{a['median']:9.2f}x [{a['min']:.2f} - {a['max']:.2f}] "
+                      f"{o['median']:9.2f}x [{o['min']:.2f} - {o['max']:.2f}] "
                       f"{b['median']:9.2f} [{b['min']:.2f} - {b['max']:.2f}]")
             print_peer_goals({e["case"]: e[f"{path}_x_contiguous"]["median"] for e in summary},
                              " (median over runs)", path=path, gpu=args.mode == "gpu")
