@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from _e2e_server import Server, override_with_media, start_healthy, tiny_model  # noqa: F401
-from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR, OVERRIDE_FORM_ERROR
+from sglang_dsv41.embed_overrides.rules import ADMISSION_ERROR, BATCH_OVERRIDE_FORM_ERROR, OVERRIDE_FORM_ERROR
 from sglang_dsv41.plugin.spec import Role
 from sglang_dsv41.plugin.table import owed_to
 
@@ -59,6 +59,18 @@ def test_json_overrides_without_media_are_refused_and_the_server_keeps_serving(s
     plain = server.post("/encode", {"text": "the lazy dog"})
     assert plain.status_code == 200, plain.text
     assert len(plain.json()["embedding"]) == 64
+
+
+@pytest.mark.parametrize("route", ["/encode", "/generate"])
+def test_batch_with_one_override_object_is_refused_and_the_server_keeps_serving(server, route):
+    """sglang's batch split indexes the field per prompt: one object for the batch was a 500."""
+    sent = {"embeds": [[0.25] * 64], "positions": [1]}
+    resp = server.post(route, {"text": ["the lazy dog", "a quick fox"], "positional_embed_overrides": sent})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == BATCH_OVERRIDE_FORM_ERROR.format(index=0, kind="dict")
+    plain = server.post("/encode", {"text": ["the lazy dog", "a quick fox"]})
+    assert plain.status_code == 200, plain.text
+    assert [len(item["embedding"]) for item in plain.json()] == [64, 64]
 
 
 def test_each_role_prints_one_status_line(server):

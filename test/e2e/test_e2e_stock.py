@@ -29,6 +29,14 @@ def test_stock_admits_override_with_media(server):
     assert [len(item["embedding"]) for item in resp.json()["data"]] == [64, 64]
 
 
+def test_stock_batch_with_one_override_object_is_a_server_error(server):
+    """What the plugin's EMB-BATCH patches turn into a 400: sglang's own batch split fails."""
+    sent = {"embeds": [[0.25] * 64], "positions": [1]}
+    resp = server.post("/encode", {"text": ["the lazy dog", "a quick fox"], "positional_embed_overrides": sent})
+    assert resp.status_code == 500, resp.text
+    assert server.post("/encode", {"text": "the lazy dog"}).status_code == 200
+
+
 def test_no_plugin_line_in_any_process(server):
     resp = server.post("/v1/embeddings", override_with_media(server.model, with_image=False))
     assert resp.status_code == 200, resp.text

@@ -237,3 +237,40 @@ def test_multi_tokenizer_worker_refuses_the_combination():
     assert REFUSED in out["embedding"], out
     assert NOT_RESOLVED in out["json"], out
     assert "EMB-ADMIT" in out["applied"] and out["missing"] == []
+
+
+BATCH_ENTRY_MISSING = "of a batch request takes one entry per prompt"
+ONE_OBJECT = {"embeds": [[0.25] * 4], "positions": [1]}
+
+
+@pytest.mark.parametrize("cls", [GenerateReqInput, EmbeddingReqInput])
+@pytest.mark.parametrize("overrides, prompt, stock_error", [
+    (ONE_OBJECT, 0, KeyError),  # one JSON object for the whole batch
+    ([ONE_OBJECT], 1, IndexError),  # a list shorter than the batch
+    (7, 0, TypeError),
+], ids=["one-object", "short-list", "number"])
+def test_batch_without_an_entry_per_prompt_is_a_client_error(tokenizer_context, cls, overrides, prompt,
+                                                             stock_error):
+    """sglang splits a batch by indexing the field per prompt; a missing entry is a
+    KeyError or IndexError there (a 500 over HTTP): with the patch, a ValueError (a 400)."""
+    req = cls(text=["the lazy dog", "a quick fox"], positional_embed_overrides=overrides)
+    req.normalize_batch_and_arguments()
+    with pytest.raises(stock_error):
+        req[prompt]
+    with hooks_installed({"EMB-BATCH-GEN", "EMB-BATCH-EMB"}):
+        with pytest.raises(ValueError, match=BATCH_ENTRY_MISSING) as refused:
+            req[prompt]
+    assert f"prompt {prompt} has none" in str(refused.value)
+
+
+@pytest.mark.parametrize("cls", [GenerateReqInput, EmbeddingReqInput])
+def test_batch_forms_sglang_splits_are_left_alone(tokenizer_context, cls):
+    shared = PositionalEmbeds(embeds=[vec()], positions=[1])
+    per_prompt = [PositionalEmbeds(embeds=[vec()], positions=[1]), None]
+    with hooks_installed({"EMB-BATCH-GEN", "EMB-BATCH-EMB"}):
+        for overrides, want in ((None, [None, None]), (shared, [shared, shared]), (per_prompt, per_prompt),
+                                ([ONE_OBJECT, ONE_OBJECT], [ONE_OBJECT, ONE_OBJECT])):
+            req = cls(text=["the lazy dog", "a quick fox"], positional_embed_overrides=overrides)
+            req.normalize_batch_and_arguments()
+            # (a JSON entry per prompt is split as sent; EMB-ADMIT refuses each one)
+            assert [req[i].positional_embed_overrides for i in range(2)] == want

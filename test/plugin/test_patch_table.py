@@ -72,6 +72,8 @@ ORDER = (
     ("PDR-RECOMPUTE-RANK", "before", "sglang.srt.disaggregation.decode.DecodePreallocQueue._submit_prefill_recompute"),
     ("PDR-ABORT-REASON", "after", "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"),
     ("EMB-ADMIT", "before", "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"),
+    ("EMB-BATCH-GEN", "before", "sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item"),
+    ("EMB-BATCH-EMB", "before", "sglang.srt.managers.io_struct.EmbeddingReqInput._get_positional_embed_overrides_item"),
     ("EMB-CAN-SHARE", "new_attribute", "sglang.srt.managers.schedule_policy.PrefillAdder.can_share_extend_batch"),
     ("EMB-ADD-ONE", "around", "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"),
     ("EMB-PREEMPT", "around", "sglang.srt.managers.schedule_policy.PrefillAdder.preempt_to_schedule"),

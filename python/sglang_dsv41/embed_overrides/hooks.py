@@ -36,6 +36,15 @@ def before_validate_one_request(self, obj, input_ids):
     return None
 
 
+def before_get_positional_embed_overrides_item(self, i):
+    """BEFORE {Generate,Embedding}ReqInput._get_positional_embed_overrides_item: a batch
+    whose field has no entry for prompt ``i`` is the client's error (400), not a 500."""
+    from sglang.srt.managers.embed_types import PositionalEmbeds
+
+    rules.check_batch_override_entry(self.positional_embed_overrides, i, PositionalEmbeds)
+    return None
+
+
 # --- scheduler admission ---------------------------------------------------
 
 

@@ -14,6 +14,14 @@ FEATURE = Feature(
     design_note="docs/design/embed_overrides.md",
 )
 
+_BATCH_ENTRY_REASON = (
+    "Refuse, with a 400 naming the field, a batch request whose positional_embed_overrides has "
+    "no entry for one of its prompts (one JSON object for the whole batch, or a list shorter "
+    "than it). sglang indexes the field per prompt when it splits the batch, and the KeyError "
+    "or IndexError becomes a 500 (the server keeps serving). Each entry is then checked per "
+    "request by EMB-ADMIT."
+)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         id="EMB-ADMIT",
@@ -34,6 +42,30 @@ PATCHES: tuple[Patch, ...] = (
         source="the original fork's managers/tokenizer_manager.py (_validate_one_request)",
         signature="(self, obj: Union[GenerateReqInput, EmbeddingReqInput], input_ids: List[int])",
         ast_sha="4a56b6b27107f54a",
+    ),
+    Patch(
+        id="EMB-BATCH-GEN",
+        group="embed_overrides",
+        target="sglang.srt.managers.io_struct.GenerateReqInput._get_positional_embed_overrides_item",
+        kind=HookKind.BEFORE,
+        hook="sglang_dsv41.embed_overrides.hooks:before_get_positional_embed_overrides_item",
+        roles=roles(Role.LAUNCHER, Role.TOKENIZER_WORKER),
+        reason=_BATCH_ENTRY_REASON,
+        source="this package (a client's malformed batch gets a client error)",
+        signature="(self, i: int)",
+        ast_sha="bbc62392db07e88e",
+    ),
+    Patch(
+        id="EMB-BATCH-EMB",
+        group="embed_overrides",
+        target="sglang.srt.managers.io_struct.EmbeddingReqInput._get_positional_embed_overrides_item",
+        kind=HookKind.BEFORE,
+        hook="sglang_dsv41.embed_overrides.hooks:before_get_positional_embed_overrides_item",
+        roles=roles(Role.LAUNCHER, Role.TOKENIZER_WORKER),
+        reason=_BATCH_ENTRY_REASON,
+        source="this package (a client's malformed batch gets a client error)",
+        signature="(self, i: int)",
+        ast_sha="bbc62392db07e88e",
     ),
     Patch(
         id="EMB-CAN-SHARE",

@@ -71,6 +71,28 @@ def check_override_form(positional_embed_overrides: object, positional_embeds_ty
     raise ValueError(OVERRIDE_FORM_ERROR.format(kind=type(positional_embed_overrides).__name__))
 
 
+BATCH_OVERRIDE_FORM_ERROR = (
+    "positional_embed_overrides of a batch request takes one entry per prompt (a list, "
+    "null for a prompt without overrides); prompt {index} has none in a {kind}"
+)
+
+
+def check_batch_override_entry(overrides: object, index: int, positional_embeds_type: type) -> None:
+    """Raise ValueError unless prompt ``index`` of a batch request has an entry in ``overrides``.
+
+    sglang indexes the field per prompt when it splits a batch; a field posted as
+    one JSON object (or a list shorter than the batch) fails that indexing with a
+    KeyError or IndexError, which the HTTP server answers with a 500. Absent or
+    one shared ``positional_embeds_type`` is sglang's own form for every prompt.
+    """
+    if overrides is None or isinstance(overrides, positional_embeds_type):
+        return
+    if isinstance(overrides, (list, tuple)) and 0 <= index < len(overrides):
+        return
+    kind = f"list of {len(overrides)}" if isinstance(overrides, (list, tuple)) else type(overrides).__name__
+    raise ValueError(BATCH_OVERRIDE_FORM_ERROR.format(index=index, kind=kind))
+
+
 def check_request_admission(*, has_overrides: bool, has_multimodal_input: bool) -> None:
     """Raise ValueError for a request that asks for overrides and media together."""
     if has_overrides and has_multimodal_input:
