@@ -621,6 +621,7 @@ def run_dsv41_sender(args) -> None:
             for k in paths:
                 samples[k].append(statistics.median(times[k]))
                 after_other[k].append(statistics.median(firsts[k]))
+        timed_phases = list(held_phases)  # of the timed requests (the byte-exact run below adds one)
         # The Python cost alone: the engine call replaced by a no-op.
         def noop(blocks):
             if blocks:
@@ -664,8 +665,8 @@ def run_dsv41_sender(args) -> None:
             row[f"{k}_over_stock"] = statistics.median(
                 s / r for s, r in zip(samples["stock"], samples[k]))
             row[f"{k}_batches"] = ways_of[k]  # of the byte-exact request: how its calls went
-        if held_phases:
-            earlier, hold, write = zip(*held_phases)
+        if timed_phases:
+            earlier, hold, write = zip(*timed_phases)
             row["held_phases_us"] = {"earlier": statistics.median(earlier) * 1e6,
                                      "hold": statistics.median(hold) * 1e6,
                                      "write": statistics.median(write) * 1e6}
