@@ -114,8 +114,11 @@ def test_a_different_reference_fails_naming_the_mismatch_and_a_gpu_check_is_skip
 
 def test_an_interrupt_stops_the_server_it_started(models, tmp_path):
     port = free_port_span()
+    # A shell without job control starts background commands with SIGINT ignored, and the
+    # tool would inherit that; Ctrl-C at a terminal reaches a tool whose SIGINT is the default.
     proc = subprocess.Popen(verify_cmd(models[0], tmp_path, "--features", "status", port=port),
-                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     server = []
     while not server and time.monotonic() < deadline:
