@@ -412,6 +412,9 @@ def bind_layout(layout: PagedLayout, target: "PeerTarget", device_bytes_from) ->
                        sum(e[2] for e in entries)), None
 
 
+_new_tuple = tuple.__new__
+
+
 def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
     """Two integer page arrays of one length, or (None, None). Their ids are checked
     against the buffers by the copy itself (``PagedCopy`` limits), in the launch table.
@@ -465,10 +468,11 @@ class PeerWrites:
         target = bound.target
         if id(target) not in self._held_open and not self._hold_open(target):
             return FALLBACK_NO_PEER_MAP
-        # The caller's arrays may change once it returns: hold copies, as int64 (the launch
-        # table's type: the flush then writes them without converting).
-        self._copies.append((target, PagedCopy(bound.segments, p.astype(np.int64), d.astype(np.int64),
-                                               bound.page_bytes, bound.src_pages, bound.dst_pages)))
+        # The caller's arrays may change once it returns: hold copies (in their own integer
+        # type: the launch table converts them as it takes them in). A tuple built as the
+        # PagedCopy it is, without its constructor's argument handling: this runs per send.
+        self._copies.append((target, _new_tuple(PagedCopy, (bound.segments, p.copy(), d.copy(), bound.page_bytes,
+                                                            bound.src_pages, bound.dst_pages))))
         self.calls += 1
         self.nbytes += len(p) * bound.page_bytes
         return None
