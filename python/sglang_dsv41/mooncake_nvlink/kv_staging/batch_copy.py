@@ -316,8 +316,8 @@ class CudaBatchCopy:
                 compiled = batch_copy_kernel.paged_copy_kernel.warmup(dummy, PAGED_CHUNK_BYTES, grid=(1,))
                 compiled[(1, 1, 1)]  # loads the module: its function handle is set from here on
                 # The compiled kernel's launcher, called as its own runner calls it minus that
-                # wrapper's per-launch work (a closure, hook lookups: about 3 us of a request's
-                # write). No Triton launch hooks run for it (profilers see no launch metadata).
+                # wrapper's per-launch work (a closure, hook lookups), which showed in a request's
+                # write. No Triton launch hooks run for it (profilers see no launch metadata).
                 self._run = compiled.run
                 self._function, self._metadata = compiled.function, compiled.packed_metadata
         except Exception as exc:  # no compiler, a Triton that refuses the kernel
