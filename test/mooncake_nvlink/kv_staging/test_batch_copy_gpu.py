@@ -224,6 +224,19 @@ def test_copier_choice():
         batch_copy_for(torch.cuda.device_count())
 
 
+def test_a_launcher_that_takes_other_arguments_stops_the_build(monkeypatch):
+    """The copier calls Triton's compiled launcher directly; a Triton whose launcher changed
+    its arguments fails the build's probe, with the launcher's own error, never a request."""
+    from triton.compiler.compiler import CompiledKernel
+
+    def refuse(*args):
+        raise TypeError("launcher takes other arguments")
+
+    monkeypatch.setattr(CompiledKernel, "run", property(lambda self: refuse))
+    with pytest.raises(BatchCopyError, match="probe failed: .*launcher takes other arguments"):
+        batch_copy_for(0)
+
+
 # --- the paged kernel
 
 
