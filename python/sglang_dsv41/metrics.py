@@ -85,10 +85,11 @@ SERIES: Tuple[Series, ...] = (
            "its next chunk without concluding it).", "written, failed, dropped"),
     Series("kv_staging_peer_maps", "counter", "event",
            "Peer writes on: peer maps sent (decode, sent), and on the prefill the mappings of a "
-           "decode session released, by reason: registered_again (same session), "
-           "endpoint_reused (a restarted decode, new session id), session_failed (sglang counts "
-           "the session failed), limit (too many sessions mapped), teardown.",
-           "sent, registered_again, endpoint_reused, session_failed, limit, teardown"),
+           "decode session released, by reason: decode_gone (its decode stopped answering "
+           "probes: ended or restarted; the session is then counted failed with sglang), "
+           "registered_again (same session), session_failed (sglang counts the session "
+           "failed), limit (too many sessions mapped), teardown.",
+           "sent, decode_gone, registered_again, session_failed, limit, teardown"),
     Series("nvlink_cross_host_peers", "counter", None,
            "Prefill, Mooncake's intra-node NVLink transport configured: decode sessions found on "
            "another host (counted once per session); their transfers skip the host-block routing "

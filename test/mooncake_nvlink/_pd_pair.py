@@ -95,7 +95,8 @@ ROOMS = {
 BOOTSTRAP = f"127.0.0.1:{CFG['bootstrap_port']}"
 # KV peer-write runs: {"env": {...}, "fail_peer_write_at": n (prefill peer write), "foreign_host": true (the decode
 # exports its peer map under another host's identity), "host_kv_entry": i (KV
-# buffer i is host memory on both sides)}
+# buffer i is host memory on both sides), "decode_exits": true (after both rooms the
+# decode process ends; the prefill reports when it let go of it)}
 STAGING = CFG.get("staging")
 
 
@@ -328,6 +329,23 @@ class Side:
             self.result["peer_writes"] = type(self.transport).writes
             self.result["open_peer_maps"] = self.transport.open_mappings
         release.wait(120)  # stay up until decode has its verdict
+        if STAGING and STAGING.get("decode_exits"):  # the decode process ends after its verdict
+            self.watch_the_decode_go()
+
+    def watch_the_decode_go(self):
+        """How long the prefill takes to let go of a decode whose process ended."""
+        sessions = sorted(self.mgr.decode_kv_args_table)
+        started = time.monotonic()
+        try:
+            wait_for(lambda: self.transport.open_mappings == 0 and self.mgr.failed_sessions, 60,
+                     "the prefill never let go of the ended decode")
+        except TimeoutError:
+            pass
+        self.result["after_decode_exit"] = {
+            "seconds": round(time.monotonic() - started, 1), "decode_sessions": sessions,
+            "failed_sessions": sorted(self.mgr.failed_sessions),
+            "open_peer_maps": self.transport.open_mappings,
+        }
 
     # --- decode
 

@@ -222,13 +222,21 @@ INTERNALS: tuple[Internal, ...] = (
         signature="variable",
         ast_sha="56106b91c01712ee",
     ),
-    # --- KV staging (mooncake_nvlink/kv_staging/hooks.py): the messages its grant rides on
+    # --- KV peer writes (mooncake_nvlink/kv_staging/hooks.py)
     Internal(
         name="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.build_receiver_registration_message",
-        used_by="KV staging: the grant frames follow the last frame of this message, past every "
-        "frame KVArgsRegisterInfo.from_zmq reads",
+        used_by="KV peer writes: the peer map's frames follow the last frame of this message, past "
+        "every frame KVArgsRegisterInfo.from_zmq reads",
         signature="(self)",
         ast_sha="8c0a12621c827db9",
+    ),
+    Internal(
+        name="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_probe",
+        used_by="KV peer writes: the prefill probes each decode it maps (0: the decode's engine "
+        "answered), and counts one that stops answering failed as sglang does",
+        signature="(self, session_id: str)",
+        ast_sha="48a5a2d4a2f30c11",
+        depends_on="signature",
     ),
 )
 

@@ -182,7 +182,7 @@ def test_a_call_kind_is_learnt_once_and_again_when_its_lists_change(monkeypatch)
     setattr(info, kv_staging.PEER_MAP_ATTR, PeerMap(old_map.kind, old_map.host, old_map.regions))
     assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
     assert len(learnt) == 3
-    new_target, _ = kv_staging.state_of(mgr).mappings.target(SESSION, getattr(info, kv_staging.PEER_MAP_ATTR), None)
+    new_target, _ = kv_staging.state_of(mgr).mappings.target(SESSION, getattr(info, kv_staging.PEER_MAP_ATTR))
     checked = [c.checked for c in kv_staging.state_of(mgr).layouts.values() if c.checked[0] is new_target]
     assert len(checked) == 1 and checked[0][1].target is new_target
 
@@ -402,6 +402,24 @@ def test_a_room_aborted_while_its_sends_were_held_gets_nothing_written(worker_th
     kv_staging.around_conclude_transfer(lambda self, **kw: seen.append(kw), mgr, bootstrap_room=1,
                                         status=KVPoll.Success)
     assert transport.writes == [] and _delta(before) == {"dropped": 2} and len(seen) == 1
+
+
+def test_a_room_cleared_between_two_looks_never_raises_into_the_worker(worker_thread):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    class ClearedAfterAMembershipTest(dict):  # sglang's sender clears the room right after one look
+        def __contains__(self, room):
+            found = dict.__contains__(self, room)
+            self.pop(room, None)
+            return found
+
+    mgr, src, dst, engine, transport = _manager(4, 4)
+    queue, before = _worker_queue(), _held_writes()
+    _take(queue, last=True)
+    assert _send(mgr, src, dst, [256] * 4, PAGES) == 0
+    mgr.request_status = ClearedAfterAMembershipTest({1: KVPoll.Transferring})
+    assert kv_staging.around_maybe_send_extra(lambda self: 0, mgr) == 0  # one look: no KeyError
+    assert len(transport.writes) == 1 and _delta(before) == {"written": 1}
 
 
 def test_threads_that_hold_nothing_pass_through_unchanged(worker_thread):

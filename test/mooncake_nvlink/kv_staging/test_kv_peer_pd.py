@@ -12,6 +12,8 @@ translation and write path the CUDA IPC transport takes. Four runs in parallel:
   already hold every byte when the Success status is applied; nothing lands
   outside the rooms' pages. The harness's state is one block from a state
   kind sglang sends without page lists: it goes the direct way;
+  Then the decode process ends: the prefill's probe (sglang's own, through the
+  real engine) finds it gone, counts its session failed and unmaps it;
 - failing: the second peer write fails (room B's, after room A completed):
   room B fails on both sides, room A stays byte-exact;
 - foreign: the decode's map claims another host: the prefill refuses to open
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 PEER = {"SGLANG_DSV41_KV_STAGING": "peer", "SGLANG_DSV41_KV_STAGING_MIN_BLOCKS": "2"}
 RUNS = {
-    "peer": {"env": PEER},
+    "peer": {"env": PEER, "decode_exits": True},
     # one write per room (its held KV): room A's, then room B's (fails)
     "failing": {"env": PEER, "fail_peer_write_at": 2},
     "foreign": {"env": PEER, "foreign_host": True},
@@ -78,6 +80,18 @@ def test_peer_writes_are_byte_exact_and_land_before_status(runs):
     assert r["decode"]["plugin_metrics"]["kv_staging_peer_maps"] == {"sent": 1}
     # the decode built no copier (the harness's stand-in fails any use) and copied nothing
     assert r["decode"]["status_A"] == "success"
+
+
+def test_a_decode_that_ends_is_unmapped_and_counted_failed_within_seconds(runs):
+    from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import PROBE_INTERVAL_S, PROBE_MISSES
+
+    p = runs["peer"]["prefill"]
+    gone = p["after_decode_exit"]
+    assert gone["open_peer_maps"] == 0 and gone["failed_sessions"] == gone["decode_sessions"]
+    assert len(gone["decode_sessions"]) == 1
+    assert gone["seconds"] <= (PROBE_MISSES + 2) * PROBE_INTERVAL_S + 5  # the process ends 0.5 s after its verdict
+    assert p["plugin_metrics"]["kv_staging_peer_maps"] == {"decode_gone": 1}
+    assert p["failed_sessions"] == []  # while it ran, it answered every probe
 
 
 def test_the_decode_exports_exactly_its_engine_registered_regions(runs):

@@ -22,7 +22,7 @@ from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
 
 def _manager(mode: str):
     return SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode),
-                           kv_args=SimpleNamespace(gpu_id=0))
+                           kv_args=SimpleNamespace(gpu_id=0), _send_probe=lambda session: 0)
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +76,25 @@ def test_a_copy_without_triton_is_refused_on_the_prefill(monkeypatch):
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
     with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
         kv_staging.set_up(_manager("prefill"))
+
+
+def test_a_prefill_manager_without_sglangs_probe_is_refused_before_building_anything(monkeypatch):
+    import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
+
+    built = []
+    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device: built.append(device))
+    monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
+    manager = _manager("prefill")
+    del manager._send_probe  # a release whose manager cannot probe a decode
+    with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*_send_probe"):
+        kv_staging.set_up(manager)
+    assert built == [] and kv_staging.state_of(manager) is None
+
+
+def test_sglangs_manager_has_the_probe_the_prefill_uses():
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    assert callable(MooncakeKVManager._send_probe)
 
 
 # --- peer mode

@@ -9,12 +9,16 @@ by a stand-in that records every handle opened and closed.
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from sglang_dsv41 import metrics
 from sglang_dsv41.mooncake_nvlink.kv_staging import hooks as kv_staging
+from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import PROBE_MISSES
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport, PeerMap, PeerRegion, host_identity
 from sglang_dsv41.mooncake_nvlink.routing import KindTable, MemoryKind, TransferRouter
 from sglang_dsv41.mooncake_nvlink.state import RoutingState, set_routing_state
@@ -40,15 +44,18 @@ class RecordingCopy:
 class Prefill:
     """A prefill transfer manager as the hooks see it, with peer writes on."""
 
-    def __init__(self, monkeypatch, allocations, limit=None):
+    def __init__(self, monkeypatch, allocations, limit=None, probing=False):
         monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
         monkeypatch.setenv("SGLANG_DSV41_KV_STAGING_MIN_BLOCKS", "1")
         self.cuda = StandInCuda(allocations)
         self.copier = RecordingCopy()
         kv_staging.set_peer_transport(CudaIpcTransport(self.copier, 0, runtime=self.cuda, driver=self.cuda))
+        self.alive: set[str] = set()  # sessions whose decode answers sglang's probe
+        self.probed: list[str] = []
         self.mgr = SimpleNamespace(disaggregation_mode=SimpleNamespace(value="prefill"),
                                    kv_args=SimpleNamespace(gpu_id=0), decode_kv_args_table={},
-                                   failed_sessions=set())
+                                   failed_sessions=set(), session_failures=defaultdict(int),
+                                   session_lock=threading.Lock(), _send_probe=self._probe)
         try:
             kv_staging.set_up(self.mgr)
         finally:
@@ -58,20 +65,32 @@ class Prefill:
         self.state = kv_staging.state_of(self.mgr)
         if limit is not None:
             self.state.mappings.limit = limit
+        if not probing:
+            self.state.stopped.set()  # the test runs each probe pass itself
 
-    def register(self, session: str, endpoint: tuple, n: int) -> None:
+    def _probe(self, session: str) -> int:  # sglang's probe: 0 when the decode's engine answers
+        self.probed.append(session)
+        return 0 if session in self.alive else -102
+
+    def register(self, session: str, n: int, peer_map: bool = True) -> None:
         """A decode registers (as sglang's bootstrap thread does), its KV pool in allocation ``n``."""
-        peer = PeerMap("cuda-ipc", host_identity(), (PeerRegion(DECODE_KV, 16 * MiB, 0, handle(n)),))
-        info = SimpleNamespace(endpoint=endpoint[0], dst_port=endpoint[1])
-        info.__dict__[kv_staging.PEER_MAP_ATTR] = peer
+        info = SimpleNamespace()
+        if peer_map:
+            info.__dict__[kv_staging.PEER_MAP_ATTR] = PeerMap(
+                "cuda-ipc", host_identity(), (PeerRegion(DECODE_KV, 16 * MiB, 0, handle(n)),))
         self.mgr.decode_kv_args_table[session] = info
+        self.alive.add(session)
 
-    def send(self, session: str) -> int:
-        """One KV send of one page through the page path; upstream's send only ever learns its layout."""
+    def probe(self, passes: int = 1) -> list[str]:
+        return [s for _ in range(passes) for s in kv_staging.probe_mapped_decodes(self.mgr, self.state)]
+
+    def send(self, session: str, direct: bool = False) -> int:
+        """One KV send of one page: through the page path (upstream's send only learns its
+        layout), or, ``direct``, upstream's send as it was."""
         def upstream(mgr, **call):  # one buffer, page p to page q, as sglang's send builds it
             blocks = [(PREFILL_KV + int(p) * PAGE, DECODE_KV + int(q) * PAGE, PAGE)
                       for p, q in zip(call["prefill_data_indices"], call["dst_data_indices"])]
-            assert kv_staging.captured(blocks), "went the direct way"
+            assert kv_staging.captured(blocks) != direct, "went the wrong way"
             return 0
 
         rc = kv_staging.around_send_kvcache_generic(
@@ -84,35 +103,82 @@ class Prefill:
         return len(self.cuda.open)
 
 
-def test_a_decode_restarted_five_times_on_its_endpoint_leaves_one_mapping(monkeypatch):
+def test_a_decode_restarted_five_times_leaves_one_mapping(monkeypatch):
+    # Each start: a new mooncake session id, new ports (sglang binds them at random) and a new
+    # KV allocation; the old incarnation's process is gone, so its engine stops answering.
     prefill = Prefill(monkeypatch, {handle(n): (64 * MiB, 0) for n in range(1, 7)})
-    for incarnation in range(1, 7):  # each start: a new mooncake session id, a new KV allocation
-        prefill.register(f"10.0.0.5:{17000 + incarnation}", ("10.0.0.5", 8998), incarnation)
-        prefill.send(f"10.0.0.5:{17000 + incarnation}")
+    before = metrics.totals().get("kv_staging_peer_maps", {}).get("decode_gone", 0)
+    for incarnation in range(1, 7):
+        session = f"10.0.0.5:{17000 + 97 * incarnation}"
+        if incarnation > 1:
+            prefill.alive.discard(f"10.0.0.5:{17000 + 97 * (incarnation - 1)}")  # the old process died
+            assert prefill.probe(PROBE_MISSES - 1) == [] and prefill.open_allocations() == 1
+            assert prefill.probe() == [f"10.0.0.5:{17000 + 97 * (incarnation - 1)}"]
+            assert prefill.open_allocations() == 0
+        prefill.register(session, incarnation)
+        prefill.send(session)
         assert prefill.open_allocations() == 1
         assert len(prefill.cuda.closed) == incarnation - 1
-    assert prefill.state.mappings.sessions() == ["10.0.0.5:17006"]
+    assert prefill.state.mappings.sessions() == ["10.0.0.5:17582"]
     assert prefill.copier.batches == 6
+    # each dead incarnation is counted failed with sglang, as a failed transfer would count it
+    assert prefill.mgr.failed_sessions == {f"10.0.0.5:{17000 + 97 * n}" for n in range(1, 6)}
+    assert set(prefill.mgr.session_failures.values()) == {1}
+    assert metrics.totals()["kv_staging_peer_maps"]["decode_gone"] - before == 5
 
 
-def test_another_decode_rank_keeps_its_mapping(monkeypatch):
-    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0), handle(2): (64 * MiB, 0)})
-    prefill.register("10.0.0.5:17001", ("10.0.0.5", 8998), 1)
-    prefill.register("10.0.0.5:17002", ("10.0.0.5", 8999), 2)  # the next rank: another port
-    prefill.send("10.0.0.5:17001")
-    prefill.send("10.0.0.5:17002")
-    assert prefill.open_allocations() == 2 and prefill.cuda.closed == []
+def test_a_decode_that_answers_keeps_its_mapping_and_a_missed_probe_is_forgiven(monkeypatch):
+    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0)})
+    prefill.register("s1", 1)
+    prefill.send("s1")
+    for _ in range(3):
+        prefill.alive.discard("s1")  # a probe lost once in a while
+        assert prefill.probe(PROBE_MISSES - 1) == []
+        prefill.alive.add("s1")
+        assert prefill.probe() == []
+    assert prefill.open_allocations() == 1 and prefill.mgr.failed_sessions == set()
+    assert prefill.probed.count("s1") == 3 * PROBE_MISSES
+
+
+def test_only_mapped_sessions_are_probed(monkeypatch):
+    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0)})
+    prefill.register("mapped", 1)
+    prefill.register("unsent", 2)  # registered, never sent to: nothing mapped, nothing to free
+    prefill.send("mapped")
+    prefill.probe()
+    assert prefill.probed == ["mapped"]
+
+
+def test_the_prefill_probes_on_a_thread_of_its_own_until_teardown(monkeypatch):
+    import time
+
+    monkeypatch.setattr(kv_staging, "PROBE_INTERVAL_S", 0.01)
+    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0)}, probing=True)
+    prober = prefill.state.prober
+    assert prober.name == "dsv41-kv-peer-probe" and prober.daemon and prober.is_alive()
+    prefill.register("s1", 1)
+    prefill.send("s1")
+    prefill.alive.discard("s1")
+    deadline = time.monotonic() + 10
+    while "s1" not in prefill.mgr.failed_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefill.mgr.failed_sessions == {"s1"} and prefill.open_allocations() == 0
+    kv_staging.after_teardown(None, prefill.mgr)
+    prober.join(5)
+    assert not prober.is_alive()
 
 
 def test_a_write_in_flight_keeps_the_old_mapping_until_it_is_done(monkeypatch):
     prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0), handle(2): (64 * MiB, 0)})
-    prefill.register("s1", ("10.0.0.5", 8998), 1)
+    prefill.register("s1", 1)
     prefill.send("s1")
     peer = getattr(prefill.mgr.decode_kv_args_table["s1"], kv_staging.PEER_MAP_ATTR)
-    old, _ = prefill.state.mappings.target("s1", peer, None)
+    old, _ = prefill.state.mappings.target("s1", peer)
     assert old.acquire()  # a held write of the old incarnation is still being written
-    prefill.register("s2", ("10.0.0.5", 8998), 2)
+    prefill.alive.discard("s1")
+    prefill.register("s2", 2)
     prefill.send("s2")
+    assert prefill.probe(PROBE_MISSES) == ["s1"]
     assert prefill.open_allocations() == 2 and prefill.cuda.closed == []
     old.release()
     assert prefill.open_allocations() == 1 and len(prefill.cuda.closed) == 1
@@ -120,8 +186,8 @@ def test_a_write_in_flight_keeps_the_old_mapping_until_it_is_done(monkeypatch):
 
 def test_a_session_sglang_counts_failed_is_unmapped_and_mapped_again_when_it_recovers(monkeypatch):
     prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0), handle(2): (64 * MiB, 0)})
-    prefill.register("dead", ("10.0.0.5", 8998), 1)
-    prefill.register("alive", ("10.0.0.6", 8998), 2)
+    prefill.register("dead", 1)
+    prefill.register("alive", 2)
     prefill.send("dead")
     prefill.send("alive")
     prefill.mgr.failed_sessions.add("dead")  # sglang's transfer failures blacklisted it
@@ -136,7 +202,7 @@ def test_a_session_sglang_counts_failed_is_unmapped_and_mapped_again_when_it_rec
 def test_the_number_of_mapped_sessions_is_bounded(monkeypatch):
     prefill = Prefill(monkeypatch, {handle(n): (64 * MiB, 0) for n in range(1, 5)}, limit=2)
     for n in range(1, 5):
-        prefill.register(f"s{n}", (f"10.0.0.{n}", 8998), n)
+        prefill.register(f"s{n}", n)
         prefill.send(f"s{n}")
     assert prefill.state.mappings.sessions() == ["s3", "s4"]
     assert prefill.open_allocations() == 2 and len(prefill.cuda.closed) == 2
@@ -145,10 +211,38 @@ def test_the_number_of_mapped_sessions_is_bounded(monkeypatch):
 def test_teardown_closes_every_mapping(monkeypatch):
     prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0), handle(2): (64 * MiB, 0)})
     for n in (1, 2):
-        prefill.register(f"s{n}", (f"10.0.0.{n}", 8998), n)
+        prefill.register(f"s{n}", n)
         prefill.send(f"s{n}")
     assert kv_staging.after_teardown(None, prefill.mgr) is None
     assert prefill.open_allocations() == 0 and len(prefill.state.mappings) == 0
+    # a worker still draining its queue after teardown maps nothing again: its sends go direct
+    prefill.send("s1", direct=True)
+    assert prefill.open_allocations() == 0 and len(prefill.state.mappings) == 0
+
+
+def test_a_registration_without_a_map_lets_the_older_mapping_go(monkeypatch):
+    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0)})
+    prefill.register("s1", 1)
+    prefill.send("s1")
+    prefill.register("s1", 2, peer_map=False)  # registered again without peer writes (or a bad map)
+    prefill.send("s1", direct=True)
+    assert prefill.open_allocations() == 0 and len(prefill.state.mappings) == 0
+
+
+def test_closing_gives_back_every_reference_even_when_the_driver_fails(monkeypatch):
+    prefill = Prefill(monkeypatch, {handle(1): (64 * MiB, 0), handle(2): (64 * MiB, 0)})
+    two = PeerMap("cuda-ipc", host_identity(), (PeerRegion(DECODE_KV, MiB, 0, handle(1)),
+                                                PeerRegion(DECODE_KV + 2 * MiB, MiB, 0, handle(2))))
+    info = SimpleNamespace(**{kv_staging.PEER_MAP_ATTR: two})
+    prefill.mgr.decode_kv_args_table["s1"] = info
+    prefill.send("s1")
+    assert prefill.open_allocations() == 2
+    prefill.cuda.lib.cudaSetDevice = lambda device: 999  # a sticky error on the prefill's GPU
+    prefill.cuda.lib.cudaIpcCloseMemHandle = lambda ptr: prefill.cuda.closed.append(ptr.value) or 999
+    prefill.register("s1", 1, peer_map=False)
+    prefill.send("s1", direct=True)  # lets the mapping go: neither close raises into the worker
+    transport = prefill.state.transport
+    assert transport.open_mappings == 0 and len(prefill.cuda.closed) == 2
 
 
 @pytest.fixture(autouse=True)

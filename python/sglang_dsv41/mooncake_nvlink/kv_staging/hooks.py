@@ -17,7 +17,13 @@ import numpy as np
 from sglang_dsv41 import metrics
 from sglang_dsv41.mooncake_nvlink.kv_staging import held
 from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError
-from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import SESSION_FAILED, TEARDOWN, SessionMappings
+from sglang_dsv41.mooncake_nvlink.kv_staging.mappings import (
+    PROBE_INTERVAL_S,
+    REGISTERED_AGAIN,
+    SESSION_FAILED,
+    TEARDOWN,
+    SessionMappings,
+)
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (
     FALLBACK_NO_PEER_MAP,
     FEW_BLOCKS,
@@ -70,6 +76,8 @@ class StagingState:
     layouts: dict = field(default_factory=dict)  # prefill: kind of send call -> _LearntCall
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_sweep: float = 0.0
+    prober: Optional[threading.Thread] = None  # prefill: probes the decodes it maps
+    stopped: threading.Event = field(default_factory=threading.Event)
 
 
 def state_of(manager) -> Optional[StagingState]:
@@ -122,6 +130,9 @@ def set_up(manager, device_regions=()) -> None:
     if config is None or role not in ("prefill", "decode"):
         return
     try:
+        if role == "prefill" and not callable(getattr(manager, "_send_probe", None)):
+            raise RuntimeError("this sglang's transfer manager has no _send_probe: a decode that "
+                               "stops could not be told from one that runs")
         state = StagingState(config, _transport_for(manager, role))
         if role == "decode":
             regions = [(int(p), int(n)) for p, n in device_regions if int(n) > 0]
@@ -134,6 +145,8 @@ def set_up(manager, device_regions=()) -> None:
             f"writes: {exc}. Unset {STAGING_ENV} or fix the cause."
         ) from exc
     manager.__dict__[_STATE_ATTR] = state
+    if state.mappings is not None:
+        _start_prober(manager, state)
     if state.exported is not None:
         logger.info("[sglang-dsv41] KV peer writes on (decode side, %s): %d regions in %d allocations "
                     "exported", state.transport.kind, len(state.exported.regions), len(state.exported.handles))
@@ -189,6 +202,7 @@ def after_teardown(result, self):
     """AFTER MooncakeKVManager.teardown: a role switch closes every decode mapping."""
     state = state_of(self)
     if state is not None and state.mappings is not None:
+        state.stopped.set()
         state.mappings.close_all(TEARDOWN)
     return None
 
@@ -215,10 +229,54 @@ def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optiona
     _sweep_failed_sessions(manager, state)
     info = (getattr(manager, "decode_kv_args_table", None) or {}).get(session_id)
     peer = getattr(info, PEER_MAP_ATTR, None)
-    if peer is None:
+    if peer is None:  # a registration without a (usable) map: any older mapping of it goes
+        state.mappings.drop((session_id,), REGISTERED_AGAIN)
         return None, FALLBACK_NO_PEER_MAP
-    endpoint = (getattr(info, "endpoint", None), getattr(info, "dst_port", None))
-    return state.mappings.target(session_id, peer, endpoint if endpoint[0] is not None else None)
+    return state.mappings.target(session_id, peer)
+
+
+# --- prefill: a mapped decode that stops ------------------------------------------------------
+#
+# A write into a mapping never fails when its decode dies (the mapping keeps the memory), so
+# sglang, which counts a session failed when a transfer to it fails, would never learn it; and
+# its restart (new session id, new ports) looks like a new decode. So a prefill probes each
+# mapped decode with sglang's own probe, and one that stops answering is counted failed as a
+# failed transfer would count it (its requests fail at once; sglang's probe loop takes it back
+# if it answers again) and its mapping is let go.
+
+
+def _start_prober(manager, state: StagingState) -> None:
+    state.prober = threading.Thread(target=_probe_loop, args=(manager, state), daemon=True,
+                                    name="dsv41-kv-peer-probe")
+    state.prober.start()
+
+
+def _probe_loop(manager, state: StagingState) -> None:
+    while not state.stopped.wait(PROBE_INTERVAL_S):
+        try:
+            probe_mapped_decodes(manager, state)
+        except Exception:  # a probe pass must never end the probing
+            logger.exception("[sglang-dsv41] KV peer writes: probing mapped decodes failed")
+
+
+def probe_mapped_decodes(manager, state: StagingState) -> list[str]:
+    """One probe of every mapped decode session; those let go (counted failed with sglang)."""
+    def answers(session: str) -> bool:
+        try:
+            return manager._send_probe(session) == 0
+        except Exception:  # upstream's probe catches the engine's errors; anything else is a miss
+            return False
+
+    gone = state.mappings.probe(answers)
+    for session in gone:
+        lock = getattr(manager, "session_lock", None)
+        if lock is not None:
+            with lock:
+                manager.session_failures[session] += 1
+                manager.failed_sessions.add(session)
+        logger.error("[sglang-dsv41] KV peer writes: decode session %s stopped answering probes: its "
+                     "mapping is released and sglang counts the session failed", session)
+    return gone
 
 
 def count_device_batch(manager, blocks) -> None:
@@ -429,7 +487,9 @@ def _room_gone(manager, room) -> bool:
         return False
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    return room not in manager.request_status or manager.check_status(room) == KVPoll.Failed
+    # one read: sglang's sender may clear the room between two
+    status = manager.request_status.get(room)
+    return status is None or status == KVPoll.Failed
 
 
 def around_transfer_worker(original, self, queue, *args, **kwargs):
@@ -437,7 +497,10 @@ def around_transfer_worker(original, self, queue, *args, **kwargs):
     state = state_of(self)
     if state is None or state.mappings is None:
         return original(self, queue, *args, **kwargs)
-    return original(self, held.ChunkAwareQueue(queue), *args, **kwargs)
+    try:
+        return original(self, held.ChunkAwareQueue(queue), *args, **kwargs)
+    finally:  # a worker that stops (or dies) writes nothing it held, and lets go of its maps
+        held.drop_held("the transfer worker stopped")
 
 
 def around_maybe_send_extra(original, self, *args, **kwargs):

@@ -291,7 +291,7 @@ class CudaIpcTransport:
             for handle in dict.fromkeys(r.handle for r in peer.regions):
                 bases[handle] = self._open_one(handle)
                 opened.append(handle)
-        except PeerMapError:
+        except Exception:  # what opened so far is closed, whatever failed
             self.close(opened)
             raise
         with self._lock:
@@ -330,7 +330,11 @@ class CudaIpcTransport:
         self.copier.copy_pages(copies)  # every mapping is local memory: one launch for all targets
 
     def close(self, opened: Sequence[bytes]) -> None:
+        """Never raises: a close runs on transfer threads and in teardown, and every reference
+        is given back first, whatever the driver answers (a sticky error then fails the
+        closes, and nothing can be done about it here)."""
         with self._lock:
+            bases = []
             for handle in opened:
                 known = self._mapped.get(handle)
                 if known is None:
@@ -338,10 +342,12 @@ class CudaIpcTransport:
                 known[1] -= 1
                 if known[1] == 0:
                     del self._mapped[handle]
-                    self._on_device()
-                    err = self._rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(known[0]))
-                    if err:
-                        self._rt.lib.cudaGetLastError()
+                    bases.append(known[0])
+            if bases and self._rt.lib.cudaSetDevice(self.device):
+                self._rt.lib.cudaGetLastError()
+            for base in bases:
+                if self._rt.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(base)):
+                    self._rt.lib.cudaGetLastError()
 
     @property
     def open_mappings(self) -> int:
