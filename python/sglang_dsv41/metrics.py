@@ -39,7 +39,7 @@ class Series:
         return PREFIX + self.name + ("_total" if self.kind == "counter" else "")
 
 
-_ROLES = "scheduler, tokenizer_worker, detokenizer, dp_controller, launcher"
+_ROLES = "scheduler, tokenizer_worker, detokenizer, detokenizer_router, dp_controller, launcher"
 
 SERIES: Tuple[Series, ...] = (
     Series("patches_applied", "gauge", "role",

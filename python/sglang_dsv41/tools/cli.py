@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from sglang_dsv41.tools.docs import patches_doc_cmd, settings_doc_cmd
@@ -45,6 +46,29 @@ def verify_cmd(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Every command; an error no command handled ends in one line on stderr (exit 2), a
+    reader that went away (``| head``) in silence."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 141  # as a shell reports a command ended by SIGPIPE
+    except Exception as exc:
+        _stdout_to_devnull()
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+        print(f"sglang-dsv41: stopped on an error it does not handle ({text})", file=sys.stderr)
+        return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Output still buffered for a closed or full stdout would fail again at exit, with a traceback."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-dsv41")
     parser.add_argument("--version", action=_VersionAction,
                         help="print this package's version, the pinned and the installed sglang")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -81,9 +84,31 @@ def render() -> str:
     return "\n".join(lines)
 
 
+MAX_DOC_BYTES = 4 << 20  # a README or PATCHES.md is far smaller
+
+
+def _regular_file_or_none(path: Path) -> str | None:
+    """Why ``path`` is no file a document can be written to (None: it is one, or not there yet)."""
+    try:
+        info = path.stat()
+    except OSError:  # not there (yet), or a path the write itself reports on
+        return None
+    if stat.S_ISDIR(info.st_mode):
+        return os.strerror(errno.EISDIR)
+    if not stat.S_ISREG(info.st_mode):  # a device or a pipe: reading or writing it may never end
+        return "not a regular file"
+    if info.st_size > MAX_DOC_BYTES:
+        return f"{info.st_size} bytes, more than a document this tool writes ({MAX_DOC_BYTES})"
+    return None
+
+
 def patches_doc_cmd(args) -> int:
     text = render()
     if args.write:
+        why = _regular_file_or_none(Path(args.write))
+        if why is not None:
+            print(f"patches-doc: cannot write {args.write}: {why}", file=sys.stderr)
+            return 2
         try:
             Path(args.write).write_text(text)
         except OSError as exc:  # a missing folder, a folder in its place, no permission
@@ -102,6 +127,10 @@ def settings_doc_cmd(args) -> int:
         print(render_table())
         return 0
     path = Path(args.write)
+    why = _regular_file_or_none(path)
+    if why is not None:
+        print(f"settings-doc: cannot update {path}: {why}", file=sys.stderr)
+        return 2
     try:
         text = path.read_text()
         updated = replace_table(text)

@@ -62,8 +62,12 @@ def _foreign_hook_findings() -> list[tuple[str, str]]:
     """Run the other general plugins, as sglang would, and look for shared targets."""
     from importlib.metadata import entry_points
 
-    from sglang.srt.arg_groups import resolution_hooks
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, _current_plugin_source
+    try:  # sglang picks its platform when these import: SGLANG_PLATFORM may name none installed
+        from sglang.srt.arg_groups import resolution_hooks
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, _current_plugin_source
+    except Exception as exc:
+        return [(BAD, "sglang's plugin machinery does not import here, so no server could start: "
+                 + " ".join(f"{type(exc).__name__}: {exc}".split())[:300])]
 
     findings = []
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -116,7 +120,7 @@ _STATUS_OF = {OK: "ok", BAD: "fail", WARN: "warn"}
 def _check_of(text: str) -> str:
     if text.startswith("SGLANG_PLUGINS"):
         return "plugin-filter"
-    if text.startswith("SGLANG_PLATFORM"):
+    if "SGLANG_PLATFORM" in text:
         return "platform-filter"
     if "entry point" in text:
         return "entry-point"

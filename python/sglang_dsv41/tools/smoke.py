@@ -199,7 +199,7 @@ def endpoints_of(targets: list[str], host: str) -> list[Endpoint]:
 # HTTP
 
 
-class _HttpError(Exception):
+class HttpFailure(Exception):
     pass
 
 
@@ -237,24 +237,24 @@ def _exchange(url: str, timeout: float, data: bytes | None, limit: int,
         response = connection.getresponse()
         declared = response.length  # None when the answer is chunked or read to the close
         if declared is not None and declared > limit:
-            raise _HttpError(f"HTTP {response.status} with a body of {declared} bytes, over the "
+            raise HttpFailure(f"HTTP {response.status} with a body of {declared} bytes, over the "
                              f"{limit >> 10} KiB this check reads")
         body, size = [], 0
         while chunk := response.read1(1 << 16):  # one socket read at a time
             size += len(chunk)
             if size > limit:
-                raise _HttpError(f"HTTP {response.status} with a body over the {limit >> 10} KiB "
+                raise HttpFailure(f"HTTP {response.status} with a body over the {limit >> 10} KiB "
                                  "this check reads")
             body.append(chunk)
         if declared is not None and size < declared:
-            raise _HttpError(f"HTTP {response.status}: the body ended after {size} of its "
+            raise HttpFailure(f"HTTP {response.status}: the body ended after {size} of its "
                              f"{declared} bytes")
         return response.status, b"".join(body)
     finally:
         connection.close()
 
 
-def _request(url: str, timeout: float, body: dict | None = None,
+def fetch(url: str, timeout: float, body: dict | None = None,
              limit: int = MAX_JSON_BYTES) -> tuple[int, bytes]:
     """(status, body) of one request, all of it within ``timeout`` seconds.
 
@@ -269,7 +269,7 @@ def _request(url: str, timeout: float, body: dict | None = None,
     def exchange() -> None:
         try:
             outcome["answer"] = _exchange(url, timeout, data, limit, opened)
-        except _HttpError as exc:
+        except HttpFailure as exc:
             outcome["error"] = str(exc)
         except Exception as exc:  # whatever the other side made the client raise is a finding
             outcome["error"] = _why(exc)
@@ -281,22 +281,22 @@ def _request(url: str, timeout: float, body: dict | None = None,
         for connection in opened:
             with contextlib.suppress(OSError, AttributeError):
                 connection.sock.shutdown(socket.SHUT_RDWR)
-        raise _HttpError(f"timed out: no complete answer within {timeout:g} s")
+        raise HttpFailure(f"timed out: no complete answer within {timeout:g} s")
     if "error" in outcome:
-        raise _HttpError(outcome["error"])
+        raise HttpFailure(outcome["error"])
     return outcome["answer"]
 
 
-def _json(url: str, timeout: float, body: dict | None = None) -> dict:
-    status, raw = _request(url, timeout, body)
+def fetch_json(url: str, timeout: float, body: dict | None = None) -> dict:
+    status, raw = fetch(url, timeout, body)
     if status != 200:
-        raise _HttpError(f"HTTP {status}: {raw[:200].decode(errors='replace').strip()}")
+        raise HttpFailure(f"HTTP {status}: {raw[:200].decode(errors='replace').strip()}")
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
-        raise _HttpError(f"not JSON: {raw[:120]!r}") from None
+        raise HttpFailure(f"not JSON: {raw[:120]!r}") from None
     if not isinstance(value, dict):
-        raise _HttpError(f"unexpected JSON (not an object): {raw[:120]!r}")
+        raise HttpFailure(f"unexpected JSON (not an object): {raw[:120]!r}")
     return value
 
 
@@ -304,7 +304,7 @@ def _count(mapping: dict, key: str, where: str) -> int:
     """A token count the server reported: a whole number, not a bool, a string or a float."""
     value = mapping.get(key)
     if type(value) is not int or not 0 <= value < 1 << 53:
-        raise _HttpError(f"{where}.{key} is {json.dumps(value)[:60]}, not a token count")
+        raise HttpFailure(f"{where}.{key} is {json.dumps(value)[:60]}, not a token count")
     return value
 
 
@@ -334,18 +334,18 @@ def png_data_url() -> str:
 
 def _completion(url: str, model: str, content, timeout: float) -> tuple[int, int]:
     """(prompt tokens, completion tokens) of one short chat completion."""
-    reply = _json(f"{url}/v1/chat/completions", timeout, {
+    reply = fetch_json(f"{url}/v1/chat/completions", timeout, {
         "model": model, "messages": [{"role": "user", "content": content}],
         "max_tokens": 8, "temperature": 0,
     })
     choices, usage = reply.get("choices"), reply.get("usage")
     if not isinstance(choices, list) or not choices:
-        raise _HttpError(f"no choices in the reply: {json.dumps(reply)[:200]}")
+        raise HttpFailure(f"no choices in the reply: {json.dumps(reply)[:200]}")
     if not isinstance(usage, dict):
-        raise _HttpError(f"no usage object in the reply: {json.dumps(reply)[:200]}")
+        raise HttpFailure(f"no usage object in the reply: {json.dumps(reply)[:200]}")
     completion = _count(usage, "completion_tokens", "usage")
     if completion < 1:
-        raise _HttpError(f"no completion tokens: usage {json.dumps(usage)[:200]}")
+        raise HttpFailure(f"no completion tokens: usage {json.dumps(usage)[:200]}")
     return _count(usage, "prompt_tokens", "usage"), completion
 
 
@@ -393,8 +393,8 @@ def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = Fal
     result = ServerResult(endpoint.name, endpoint.url, endpoint.kind, endpoint.source)
     url = endpoint.url
     try:
-        status, _body = _request(f"{url}/health", timeout)
-    except _HttpError as exc:
+        status, _body = fetch(f"{url}/health", timeout)
+    except HttpFailure as exc:
         result.add("health", "fail", str(exc))
         return result
     if status != 200:
@@ -405,18 +405,18 @@ def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = Fal
     vision, pd_mode = False, None
     if endpoint.kind == "server":
         try:
-            info = _json(f"{url}/model_info", timeout)
+            info = fetch_json(f"{url}/model_info", timeout)
             vision = info.get("has_image_understanding", False)
             pd_mode = info.get("disaggregation_mode", "null")
             if type(vision) is not bool:
-                raise _HttpError(f"has_image_understanding is {json.dumps(vision)[:60]}, not true or false")
+                raise HttpFailure(f"has_image_understanding is {json.dumps(vision)[:60]}, not true or false")
             if pd_mode not in (None, "null", "prefill", "decode"):
-                raise _HttpError(f"disaggregation_mode is {json.dumps(pd_mode)[:60]}, not null, "
+                raise HttpFailure(f"disaggregation_mode is {json.dumps(pd_mode)[:60]}, not null, "
                                  "prefill or decode")
             pd_mode = None if pd_mode in (None, "null") else pd_mode
             result.add("model-info", "ok", f"vision={'on' if vision else 'off'}"
                        + (f", PD {pd_mode}" if pd_mode else ""))
-        except _HttpError as exc:
+        except HttpFailure as exc:
             result.add("model-info", "fail", f"/model_info: {exc} (not an sglang server?)")
             return result
 
@@ -433,14 +433,14 @@ def check_endpoint(endpoint: Endpoint, timeout: float, router_vision: bool = Fal
 
 
 def _model_id(url: str, timeout: float) -> str:
-    models = _json(f"{url}/v1/models", timeout).get("data", [])
+    models = fetch_json(f"{url}/v1/models", timeout).get("data", [])
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-        raise _HttpError(f"/v1/models: data is {json.dumps(models)[:80]}, not a list of models")
+        raise HttpFailure(f"/v1/models: data is {json.dumps(models)[:80]}, not a list of models")
     if not models:
         return "default"
     model = models[0].get("id")
     if not isinstance(model, str) or not model:
-        raise _HttpError(f"/v1/models: the first model's id is {json.dumps(model)[:60]}")
+        raise HttpFailure(f"/v1/models: the first model's id is {json.dumps(model)[:60]}")
     return model
 
 
@@ -448,7 +448,7 @@ def _chat_checks(result: ServerResult, url: str, vision: bool, timeout: float) -
     try:
         model = _model_id(url, timeout)
         text_tokens, completion = _completion(url, model, PROMPT, timeout)
-    except _HttpError as exc:
+    except HttpFailure as exc:
         result.add("chat", "fail", str(exc))
         return
     result.add("chat", "ok", f"{completion} tokens from {model}")
@@ -459,7 +459,7 @@ def _chat_checks(result: ServerResult, url: str, vision: bool, timeout: float) -
                {"type": "image_url", "image_url": {"url": png_data_url()}}]
     try:
         image_tokens, _ = _completion(url, model, content, timeout)
-    except _HttpError as exc:
+    except HttpFailure as exc:
         result.add("image", "fail", str(exc))
         return
     if image_tokens <= text_tokens:
@@ -471,8 +471,8 @@ def _chat_checks(result: ServerResult, url: str, vision: bool, timeout: float) -
 
 def _metrics_check(result: ServerResult, url: str, timeout: float) -> None:
     try:
-        status, raw = _request(f"{url}/metrics", timeout, limit=MAX_METRICS_BYTES)
-    except _HttpError as exc:
+        status, raw = fetch(f"{url}/metrics", timeout, limit=MAX_METRICS_BYTES)
+    except HttpFailure as exc:
         result.add("metrics", "fail", str(exc))
         return
     if status == 404:

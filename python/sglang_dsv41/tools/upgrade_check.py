@@ -205,6 +205,9 @@ def describe(tree: fp.SourceTree) -> dict:
         version = tree.version()
     except fp.TargetNotFound as exc:  # a version file Python cannot parse
         raise BadInput(f"{tree.label}: {exc}") from None
+    if version and not (version.isascii() and version.isprintable() and len(version) <= 64):
+        # a candidate's own string is printed in the report's head: no control characters
+        version = ascii(version[:64])
     return {"version": version or "unknown", "source": tree.label}
 
 

@@ -4,6 +4,7 @@ installed console script."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +28,17 @@ def _a_folder(tmp: Path) -> Path:
     return tmp / "docs"
 
 
+def _a_pipe(tmp: Path) -> Path:
+    os.mkfifo(tmp / "pipe")  # reading or writing it would wait for the other end for ever
+    return tmp / "pipe"
+
+
 TARGETS = {
     "a missing folder": (lambda tmp: tmp / "no" / "such" / "PATCHES.md", "No such file or directory"),
     "a folder": (_a_folder, "Is a directory"),
     "below a file": (_a_file, "Not a directory"),
+    "a pipe": (_a_pipe, "not a regular file"),
+    "a device": (lambda tmp: Path("/dev/zero"), "not a regular file"),
 }
 
 

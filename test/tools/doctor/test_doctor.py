@@ -63,3 +63,12 @@ def test_doctor_checks_kv_staging_settings_when_they_are_set():
     assert "compiled and probed at every access width" in peer.stdout
     wrong = _run({"SGLANG_DSV41_KV_STAGING": "peers"})
     assert wrong.returncode == 1 and "'peers': use peer (peer writes) or 0 / unset (off)" in wrong.stdout
+
+
+def test_a_platform_no_plugin_provides_is_a_finding_not_a_traceback():
+    # sglang picks its platform while its plugin machinery imports: nothing could start
+    proc = _run({"SGLANG_PLATFORM": "no_such_platform"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stdout.splitlines()[-1] == "doctor: PROBLEMS FOUND"
+    (fail,) = [line for line in proc.stdout.splitlines() if line.startswith("[FAIL]")]
+    assert "sglang's plugin machinery does not import here" in fail and "no_such_platform" in fail

@@ -89,6 +89,8 @@ def test_a_config_map_mounted_as_files_is_readable(tmp_path):
     (_rbg(ROLES.replace("replicas: 2", "replicas: two")), "replicas must be a whole number"),
     (_rbg(ROLES.replace("dependencies: [prefill]", "dependencies: [decode]")), "depends on role decode"),
     (_rbg(ROLES.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 1")), "names a GPU the pod does not get"),
+    # refused before anything is built per GPU (a list of 300 million ids would fill the memory)
+    (_rbg(ROLES.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 300000000")), "is not a GPU count a pod can get"),
     (_rbg(ROLES.replace("standalonePattern", "customComponentsPattern", 1)), "exactly one of"),
     ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "no workload"),
     ("apiVersion: v1\nkind: [\n", "not valid YAML"),

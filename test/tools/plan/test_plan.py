@@ -91,6 +91,12 @@ BAD_CASES = {
                                       ["gives bootstrap port 8999", "serves bootstrap on 8998"], 1),
     "pd-dspark-dynamic-verify.yml": ("pd-dspark-dynamic-verify.yml/prefill",
                                      ["sglang refuses these arguments", "requires static verify"], 1),
+    "port-out-of-range.yml": ("port-out-of-range.yml/sglang",
+                              ["port 99999 (HTTP (--port)) is not a TCP port (1 to 65535)"], 1),
+    "negative-base-gpu.yml": ("negative-base-gpu.yml/sglang", ["--base-gpu-id must not be negative"], 1),
+    "pp-size-zero.yml": ("pp-size-zero.yml/sglang", ["--pp-size 0: must be at least 1"], 1),
+    "router-odd-arguments.yml": ("router-odd-arguments.yml/router",
+                                 ["http://127.0.0.1:99999: not a server URL (Port out of range"], 2),
 }
 
 ENV = {
@@ -214,6 +220,15 @@ def test_bad_topology_is_rejected_naming_service_and_reason(results, name):
     assert mine, f"no error blames {blamed}:\n{result['output']}"
     for reason in reasons:
         assert any(reason in e for e in mine), f"{reason!r} not in {mine}"
+
+
+def test_router_arguments_no_router_reads_are_problems_not_crashes(results):
+    output = results["bad:router-odd-arguments.yml"]["output"]
+    assert ("router-odd-arguments.yml/router-b: cannot read the router arguments: ambiguous option: --p could "
+            "match --port, --pd-disaggregation, --prefill, --prometheus-port") in _errors(output)
+    assert ("WARNING router-odd-arguments.yml/router: a prefill's SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT is "
+            "not a whole number of seconds") in output
+    assert "Traceback" not in output and "usage:" not in output
 
 
 def test_alternative_topologies_together_collide_on_gpus_and_port(results):

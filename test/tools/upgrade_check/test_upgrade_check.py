@@ -297,3 +297,9 @@ def test_every_patch_says_when_it_can_go():
         if patch.new_attribute:
             for method in patch.relies_on:
                 fp.resolve(f"{patch.fingerprint_target}.{method}")  # exists in the pinned release
+
+
+def test_a_candidates_version_string_cannot_write_control_characters(candidate):
+    (candidate / "sglang" / "_version.py").write_text("__version__ = '\\x1b[31mRED\\nnewline'\n")
+    version = uc.describe(fp.FolderTree(candidate))["version"]
+    assert version == "'\\x1b[31mRED\\nnewline'" and version.isprintable()

@@ -63,7 +63,9 @@ def test_a_mismatch_names_the_prompt_and_the_first_differing_position():
     (line,) = evaluate.compare_tokens(prompts([1, 2, 3]), prompts([1, 9, 3]))
     assert line.startswith("text-0w: tokens differ from position 1")
     (line,) = evaluate.compare_tokens(prompts([1]), prompts(None))
-    assert "token ids missing on one side" in line
+    assert line == "text-0w: no output token ids to compare"
+    (line,) = evaluate.compare_tokens(prompts(None), prompts(None))  # nothing on either side is no match
+    assert line == "text-0w: no output token ids to compare"
 
 
 def test_acceptance_length_is_tokens_per_verify_step_and_none_without_speculation():
@@ -225,7 +227,11 @@ def fake_nvidia_smi(tmp_path, gpus: int) -> dict:
     ("GPUs that do not exist", "--gpus: no GPU 2, 3 on this node (2 visible)"),
     ("bad GPU list", "--gpus 'zero': expected indices like 0-7"),
     ("busy port", "on 127.0.0.1 is busy"),
-    ("bad number", "--repeats must be an integer >= 0, got 'x'"),
+    ("bad number", "--repeats must be an integer from 0 to 10000000, got 'x'"),
+    ("a digit int() refuses", "--timeout must be an integer from 1 to 10000000, got '²'"),
+    ("a GPU index no node has", "no node has a GPU index of 1024 or more"),
+    ("one server as both sides", "--urls: A and B are the same server; a comparison needs two"),
+    ("a flag verify sets itself", "--extra-args sets --model-path, --port, which verify sets itself"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, model, case, message):
     args = ["--model-path", str(model), "--out", str(tmp_path / "out")]
@@ -251,6 +257,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, model, case, message):
         args += ["--device", "cpu", "--port", str(holder.getsockname()[1])]
     elif case == "bad number":
         args += ["--repeats", "x"]
+    elif case == "a digit int() refuses":
+        args += ["--timeout", "²"]
+    elif case == "a GPU index no node has":
+        args += ["--gpus", "0-99999999999"]
+    elif case == "a flag verify sets itself":  # sglang would take these last values, not verify's
+        args += ["--device", "cpu", "--extra-args", "--port 31000 --model-path=/other"]
+    elif case == "one server as both sides":
+        args = ["--urls", "http://127.0.0.1:1", "http://127.0.0.1:1/", "--features", "stock",
+                "--out", str(tmp_path / "out")]
     try:
         done = run_verify(*args, env=env)
     finally:
@@ -259,6 +274,66 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, model, case, message):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
     assert done.stdout == "" and not (tmp_path / "out").exists()
+
+
+class _Answering:
+    """A server on 127.0.0.1 that answers every request ``how``: "empty" ({} at once) or
+    "drip" (a 100000-byte body, one byte every half second)."""
+
+    def __init__(self, how: str):
+        import http.server
+        import threading
+        import time
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Length", "2" if how == "empty" else "100000")
+                self.end_headers()
+                if how == "empty":
+                    self.wfile.write(b"{}")
+                    return
+                while not server.closing:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+
+            do_GET = do_POST = answer
+
+            def log_message(self, *args):
+                pass
+
+        server = self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.closing = False
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def close(self):
+        self.server.closing = True
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("how, why", [
+    ("empty", "the answer carries no output token ids to compare"),
+    ("drip", "timed out: no complete answer within 2 s"),
+])
+def test_servers_that_answer_nothing_comparable_fail_within_the_timeout(tmp_path, how, why):
+    import time
+
+    a, b = _Answering(how), _Answering("empty")
+    try:
+        started = time.monotonic()
+        done = run_verify("--urls", a.url, b.url, "--features", "stock", "--timeout", "2", "--repeats", "1",
+                          "--out", str(tmp_path / "out"), timeout=60)
+        took = time.monotonic() - started
+    finally:
+        a.close()
+        b.close()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"A: {a.url}/generate: {why}" in done.stdout and "NOT PASSED (0 passed, 1 failed" in done.stdout
+    assert took < 30  # the timeout bounds each request, a server sending a byte at a time included
 
 
 def test_checks_that_cannot_run_here_are_skipped_not_passed(tmp_path, model):

@@ -8,7 +8,9 @@ finding names the service and the reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -182,10 +184,7 @@ def parse_router(service: Service, args: list[str]) -> PlannedRouter:
     parser.add_argument("--decode", nargs="+", action="append", default=[])
     parser.add_argument("--worker-urls", nargs="+", default=[])
     parser.add_argument("--prometheus-port", type=int, default=ROUTER_DEFAULT_PROMETHEUS_PORT)
-    try:
-        known, _ = parser.parse_known_args(args)
-    except (argparse.ArgumentError, ValueError) as exc:
-        raise ValueError(f"cannot read the router arguments: {exc}") from exc
+    known = _parse_known(parser, args, "the router arguments")
     prefill = []
     for group in known.prefill:
         url = group[0]
@@ -270,6 +269,8 @@ def used_gpus(server: PlannedServer) -> tuple[tuple[str, ...] | None, str | None
     picks = lay.gpu_indices
     replicas = f" x DP replicas {lay.dp_size}" if lay.dp_size > 1 and lay.attn_dp_size == 1 else ""
     shape = f"TP {lay.tp_size} x PP {lay.pp_size}{replicas}{f' / {lay.nnodes} nodes' if lay.nnodes > 1 else ''}"
+    if picks and min(picks) < 0:
+        return None, f"its layout starts at GPU {min(picks)} (--base-gpu-id must not be negative)"
     if picks and max(picks) >= len(visible):
         return None, (f"needs {len(picks)} GPUs ({shape}) but sees "
                       f"{len(visible)}: {','.join(visible) or 'none'}")
@@ -340,6 +341,9 @@ def check_ports(plan: Plan, all_services: list[Service]) -> list[Problem]:
     problems = []
     owner: dict[tuple[str, int], tuple[Service, str]] = {}
     for svc, port, what in listening_ports(plan, all_services):
+        if not 1 <= port <= 65535:
+            problems.append(Problem(svc.label, f"port {port} ({what}) is not a TCP port (1 to 65535)"))
+            continue
         key = (svc.host, port)
         # By identity: two copies of one file (two deployments) share their labels.
         if key in owner and owner[key][0] is not svc:
@@ -389,8 +393,11 @@ def check_healthchecks(plan: Plan) -> list[Problem]:
 
 
 def _server_for_url(router: PlannedRouter, url: str, plan: Plan) -> tuple[PlannedServer | None, str]:
-    parts = urlsplit(url if "//" in url else f"http://{url}")
-    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        parts = urlsplit(url if "//" in url else f"http://{url}")
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:  # a port out of range, a broken IPv6 literal
+        return None, f"{url}: not a server URL ({exc})"
     rsvc = router.service
     if host in LOOPBACK or host == rsvc.host:
         if not _is_host_network(rsvc):
@@ -1004,11 +1011,21 @@ def router_fault_settings(args: list[str]) -> dict[str, int | bool]:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--disable-circuit-breaker", action="store_true")
     parser.add_argument("--disable-health-check", action="store_true")
+    return vars(_parse_known(parser, args, "the router's fault settings"))
+
+
+def _parse_known(parser: argparse.ArgumentParser, args: list[str], what: str) -> argparse.Namespace:
+    """The flags ``parser`` knows, or ValueError. Some argparse errors (an ambiguous
+    abbreviation) exit even with exit_on_error off: they become the ValueError too."""
+    said = io.StringIO()
     try:
-        known, _ = parser.parse_known_args(args)
+        with contextlib.redirect_stderr(said):
+            return parser.parse_known_args(args)[0]
     except (argparse.ArgumentError, ValueError) as exc:
-        raise ValueError(f"cannot read the router's fault settings: {exc}") from exc
-    return vars(known)
+        raise ValueError(f"cannot read {what}: {exc}") from exc
+    except SystemExit:
+        last = (said.getvalue().strip().splitlines() or ["unreadable"])[-1]
+        raise ValueError(f"cannot read {what}: {last.split('error: ', 1)[-1]}") from None
 
 
 def pd_router_hang_warnings(plan: Plan) -> list[Problem]:
@@ -1030,8 +1047,13 @@ def pd_router_hang_warnings(plan: Plan) -> list[Problem]:
             warnings.append(Problem(router.service.label, str(exc)))
             continue
         prefills = [_server_for_url(router, url, plan)[0] for url, _ in router.prefill]
-        waits = [int(s.service.environment.get(BOOTSTRAP_TIMEOUT_ENV) or BOOTSTRAP_TIMEOUT_DEFAULT_S)
-                 for s in prefills if s is not None]
+        try:
+            waits = [int(s.service.environment.get(BOOTSTRAP_TIMEOUT_ENV) or BOOTSTRAP_TIMEOUT_DEFAULT_S)
+                     for s in prefills if s is not None]
+        except ValueError:
+            warnings.append(Problem(router.service.label, f"a prefill's {BOOTSTRAP_TIMEOUT_ENV} is not "
+                                    "a whole number of seconds"))
+            continue
         wait = max(waits, default=BOOTSTRAP_TIMEOUT_DEFAULT_S)
         if wait <= FAST_FAILURE_S:
             continue

@@ -191,7 +191,7 @@ def read_projects(compose_files: list[str], profiles: list[str] | None = None,
     """Every input read and checked for shape; raises ComposeError (one line)."""
     projects: list[Project] = []
     for path in compose_files:
-        if is_manifest(path):  # Kubernetes manifests (or a kustomization) have their own reader
+        if _guarded(path, lambda: is_manifest(path)):  # Kubernetes manifests (or a kustomization) have their own reader
             projects.append(_guarded(path, lambda: load_manifests(path)))
             continue
         if compose is not None:
@@ -220,7 +220,11 @@ def _guarded(source: str, read):
 def main(compose_files: list[str], *, profiles: list[str] | None = None, compose_configs: list[str] = (),
          options: PlanOptions | None = None, as_json: bool = False, reader: str = "auto") -> int:
     out = _Output(as_json)
-    code = _plan(out, compose_files, profiles, compose_configs, options or PlanOptions(), reader)
+    try:
+        code = _plan(out, compose_files, profiles, compose_configs, options or PlanOptions(), reader)
+    except Exception as exc:  # a check that meets input it does not expect: one line, exit 2
+        code = out.fail("cannot check these files (" + " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                        + ")", 2)
     if as_json:
         out.emit(list(compose_files) + list(compose_configs), code)
     return code
@@ -464,6 +468,9 @@ def resolve_layout(service: Service, args: list[str], checkpoint: Path) -> Serve
         mooncake_master, mooncake_segment = _mooncake_master(service, view) if (
             view.enable_hierarchical_cache and view.hicache_storage_backend == "mooncake") else (None, 0)
 
+    for flag, value in (("--pp-size", view.pp_size), ("--nnodes", view.nnodes)):
+        if int(value) < 1:  # sglang's own checks let these through; its launcher would divide by them
+            raise ResolutionFailed(f"{flag} {value}: must be at least 1")
     derived: tuple[int, ...] = ()
     if widths["attn_dp_size"] > 1 and view.nnodes == 1 and not view.dist_init_addr:
         # DP attention binds ZMQ ports next to --port + ZMQ_TCP_PORT_DELTA (PortArgs.init_new).

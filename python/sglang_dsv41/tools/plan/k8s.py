@@ -321,6 +321,9 @@ def _healthcheck(probe: Any) -> dict | None:
     return None
 
 
+MAX_POD_GPUS = 1024  # far above any node; a count past it is a typo, not a reservation
+
+
 def _gpus(pod: str, limits: dict, environment: dict[str, str], where: str) -> GpuReservation:
     raw = limits.get(GPU_RESOURCE)
     if raw is None:
@@ -329,6 +332,9 @@ def _gpus(pod: str, limits: dict, environment: dict[str, str], where: str) -> Gp
         count = int(str(raw))
     except ValueError:
         raise ComposeError(f"{where}: {GPU_RESOURCE} must be a whole number, not {raw!r}") from None
+    if not 0 <= count <= MAX_POD_GPUS:  # checked before anything is built for each GPU
+        raise ComposeError(f"{where}: {GPU_RESOURCE}: {count} is not a GPU count a pod can get "
+                           f"(0 to {MAX_POD_GPUS})")
     ids = [f"{pod}#{i}" for i in range(count)]
     how = f"{GPU_RESOURCE}: {count}"
     visible = environment.get("CUDA_VISIBLE_DEVICES")

@@ -64,9 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference-model-path", help=argparse.SUPPRESS)
 
 
+# Flags verify gives each server itself (plan.server_command): --extra-args may not repeat them.
+OWNED_FLAGS = frozenset(("--model-path", "--host", "--port", "--nccl-port", "--engine-info-bootstrap-port",
+                         "--random-seed", "--device", "--disaggregation-mode", "--disaggregation-bootstrap-port"))
+MAX_NUMBER = 10 ** 7  # above any timeout, word count or wait this tool means
+
+
 def _positive_int(name: str, text: str, low: int = 1) -> int:
-    if not text.isdigit() or int(text) < low:
-        raise BadInput(f"{name} must be an integer >= {low}, got {text!r}")
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= MAX_NUMBER:
+        raise BadInput(f"{name} must be an integer from {low} to {MAX_NUMBER}, got {text!r}")
     return int(text)
 
 
@@ -80,12 +86,17 @@ def _model_dir(flag: str, path: str | None) -> str:
     return str(Path(path).resolve())
 
 
+MAX_GPU_INDEX = 1024
+
+
 def _parse_gpus(text: str) -> tuple:
     gpus = []
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not (low.isascii() and low.isdigit()) or (dash and not (high.isascii() and high.isdigit())):
             raise BadInput(f"--gpus {text!r}: expected indices like 0-7 or 0,1,2,3")
+        if int(high if dash else low) >= MAX_GPU_INDEX:
+            raise BadInput(f"--gpus {text!r}: no node has a GPU index of {MAX_GPU_INDEX} or more")
         gpus.extend(range(int(low), int(high) + 1) if dash else [int(low)])
     if not gpus or len(set(gpus)) != len(gpus):
         raise BadInput(f"--gpus {text!r}: empty or repeated indices")
@@ -147,6 +158,10 @@ def settings(args) -> tuple:
         extra = tuple(shlex.split(args.extra_args))
     except ValueError as exc:
         raise BadInput(f"--extra-args: {exc}") from None
+    owned = sorted({a.split("=", 1)[0] for a in extra} & OWNED_FLAGS)
+    if owned:  # sglang takes the last of a repeated flag: the server would not be the one verify checks
+        raise BadInput(f"--extra-args sets {', '.join(owned)}, which verify sets itself for each server; "
+                       "use verify's own options (--model-path, --port, --gpus, --device)")
     if args.urls:
         if len(features) != 1 or features[0] not in URL_FEATURES:
             raise BadInput(f"--urls compares one of {', '.join(URL_FEATURES)}: give exactly one "
@@ -154,6 +169,8 @@ def settings(args) -> tuple:
         for url in args.urls:
             if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
                 raise BadInput(f"--urls: {url!r} is not an http(s) URL")
+        if args.urls[0].rstrip("/") == args.urls[1].rstrip("/"):
+            raise BadInput("--urls: A and B are the same server; a comparison needs two")
         return features, None, numbers, []
     model = _model_dir("--model-path", args.model_path)
     reference = (_model_dir("--reference-model-path", args.reference_model_path)
@@ -222,7 +239,7 @@ def _measure(side, pair, numbers, log_dir: Path) -> dict:
         measured["error"] = str(exc)
     finally:
         for one in started:
-            metrics = (client.fetch_metrics(f"http://127.0.0.1:{one.proc.port}", 60)
+            metrics = (client.fetch_metrics(f"http://127.0.0.1:{one.proc.port}", min(60, numbers["timeout"]))
                        if one.proc.metrics and one.popen.poll() is None else None)
             measured["procs"].append({"name": one.proc.name, "argv": one.proc.argv,
                                       "env": one.proc.env, "plugin": one.proc.plugin,
@@ -339,7 +356,7 @@ def main(args) -> int:
                                 _url_side("B", args.urls[1], numbers, images)]
             for side, url in zip(measured["urls"], args.urls):
                 side["procs"] = [{"name": side["label"], "argv": [], "env": {}, "plugin": True,
-                                  "log": None, "metrics": client.fetch_metrics(url.rstrip("/"), 60)}]
+                                  "log": None, "metrics": client.fetch_metrics(url.rstrip("/"), min(60, numbers["timeout"]))}]
         else:
             for pair in plan.pairs:
                 progress(f"pair {pair.name}")
@@ -361,14 +378,18 @@ def main(args) -> int:
               "checks": results, "dspark_verified": verified,
               "sides": {pair: [_side_record(s) for s in sides] for pair, sides in measured.items()}}
     report_path = out / REPORT_NAME
-    report_path.write_text(json.dumps(report, indent=1))
+    try:
+        report_path.write_text(json.dumps(report, indent=1))
+    except OSError as exc:  # the figures are still printed below
+        print(f"verify: cannot write the report {report_path}: {exc.strerror or exc}", file=sys.stderr)
+        report_path = None
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(_table(results))
         counts = {s: sum(r["status"] == s for r in results) for s in ("pass", "fail", "skip")}
         print(f"verify: {'PASSED' if ok else 'NOT PASSED'} ({counts['pass']} passed, {counts['fail']} "
-              f"failed, {counts['skip']} skipped); report {report_path}")
+              f"failed, {counts['skip']} skipped); " + (f"report {report_path}" if report_path else "no report"))
         if verified:
             from sglang_dsv41.cp_bcg.setting import DSPARK_VERIFIED_ENV
 

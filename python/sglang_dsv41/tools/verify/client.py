@@ -11,11 +11,11 @@ from __future__ import annotations
 import base64
 import json
 import statistics
+import threading
 import time
-import urllib.error
 import urllib.request
 
-from sglang_dsv41.tools.smoke import tiny_png
+from sglang_dsv41.tools.smoke import MAX_METRICS_BYTES, HttpFailure, fetch, fetch_json, tiny_png
 
 VOCABULARY = ("river stone market ledger signal harbor copper lantern orchard quartz "
               "meadow engine violet summit canyon ember glacier falcon prairie tunnel").split()
@@ -41,40 +41,47 @@ def describe_prompts(words, images: bool) -> list[str]:
     return [f"text prompt of {n} words" for n in words]
 
 
-def _post(url: str, payload: dict, timeout: float):
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(request, timeout=timeout)
-
-
 def _json_reply(url: str, payload: dict, timeout: float) -> dict:
+    """The JSON object a server answers, all of it within ``timeout`` (size capped)."""
     try:
-        with _post(url, payload, timeout) as response:
-            reply = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise RequestError(f"{url}: HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}")
-    except (OSError, ValueError) as exc:
+        return fetch_json(url, timeout, payload)
+    except HttpFailure as exc:
         raise RequestError(f"{url}: {exc}") from None
-    if not isinstance(reply, dict):
-        raise RequestError(f"{url}: the answer is not a JSON object")
-    return reply
+
+
+def _token_ids(value, where: str) -> list:
+    """The greedy output's token ids: what the sides are compared on, so never absent."""
+    if not isinstance(value, list) or not value or not all(type(t) is int for t in value):
+        raise RequestError(f"{where}: the answer carries no output token ids to compare")
+    return value
 
 
 def _ttft(url: str, text: str, timeout: float) -> float:
-    start = time.perf_counter()
+    """Seconds to the first streamed line of a one-token request; the whole wait is bounded."""
     payload = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
                "stream": True}
-    try:
-        with _post(url + "/generate", payload, timeout) as response:
-            for line in response:
-                if line.strip():
-                    elapsed = time.perf_counter() - start
-                    for _ in response:
-                        pass
-                    return elapsed
-    except OSError as exc:
-        raise RequestError(f"{url}/generate (streamed): {exc}") from None
-    raise RequestError(f"{url}/generate: the streamed reply was empty")
+    outcome: dict = {}
+
+    def first_line() -> None:
+        start = time.perf_counter()
+        try:
+            request = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                while line := response.readline(1 << 16):
+                    if line.strip():
+                        outcome["ttft"] = time.perf_counter() - start
+                        return
+        except Exception as exc:  # whatever the server made the client raise
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    reader = threading.Thread(target=first_line, name="verify-ttft", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if "ttft" in outcome:
+        return outcome["ttft"]
+    why = outcome.get("error") or ("no token within the timeout" if reader.is_alive() else "the stream was empty")
+    raise RequestError(f"{url}/generate (streamed): {why}")
 
 
 def measure_text(url: str, words, max_new_tokens: int, repeats: int, timeout: float) -> list[dict]:
@@ -88,7 +95,7 @@ def measure_text(url: str, words, max_new_tokens: int, repeats: int, timeout: fl
         latency = time.perf_counter() - started
         meta = reply.get("meta_info") if isinstance(reply.get("meta_info"), dict) else {}
         ttfts = [_ttft(url, text, timeout) for _ in range(repeats)]
-        results.append({"prompt": f"text-{n}w", "output_ids": reply.get("output_ids"),
+        results.append({"prompt": f"text-{n}w", "output_ids": _token_ids(reply.get("output_ids"), url + "/generate"),
                         "text": reply.get("text"), "completion_tokens": meta.get("completion_tokens"),
                         "spec_verify_ct": meta.get("spec_verify_ct"), "latency_s": latency,
                         "ttft_s": statistics.median(ttfts) if ttfts else None})
@@ -114,7 +121,8 @@ def measure_images(url: str, max_new_tokens: int, timeout: float) -> list[dict]:
             raise RequestError(f"{url}/v1/chat/completions: no choices in the answer")
         message = choices[0].get("message") or {}
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-        results.append({"prompt": f"image-{index}", "output_ids": choices[0].get("token_ids"),
+        results.append({"prompt": f"image-{index}",
+                        "output_ids": _token_ids(choices[0].get("token_ids"), url + "/v1/chat/completions"),
                         "text": message.get("content"),
                         "completion_tokens": usage.get("completion_tokens"),
                         "spec_verify_ct": None, "latency_s": latency, "ttft_s": None})
@@ -123,10 +131,10 @@ def measure_images(url: str, max_new_tokens: int, timeout: float) -> list[dict]:
 
 def fetch_metrics(url: str, timeout: float) -> str | None:
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as response:
-            return response.read().decode(errors="replace")
-    except (OSError, ValueError):
+        status, body = fetch(url + "/metrics", timeout, limit=MAX_METRICS_BYTES)
+    except HttpFailure:
         return None
+    return body.decode(errors="replace") if status == 200 else None
 
 
 def metric_values(text: str | None, name: str) -> dict[str, float]:
