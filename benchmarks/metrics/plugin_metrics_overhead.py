@@ -1,6 +1,6 @@
 """What the plugin's Prometheus counters cost on the paths that increment them.
 
-Each mode runs in a fresh interpreter, because ``core.plugin_metrics`` decides
+Each mode runs in a fresh interpreter, because ``sglang_dsv41.metrics`` decides
 once per process whether metrics are on:
 
   off         ``configure(False)``: the server runs without ``--enable-metrics``

@@ -15,7 +15,8 @@ and acknowledged a marker sent after it on the same socket.
 CPU mode: Mooncake tcp on 127.0.0.1, host memory, the "device" buffers'
 classification injected. GPU mode: MC_INTRANODE_NVLINK=1, protocol
 nvlink_intra, device buffers from torch, pinned host buffers, CUDA
-classification. Imports torch, mooncake and sglang_dsv41.core only.
+classification. Imports torch, mooncake and sglang_dsv41.mooncake_nvlink's plain
+modules (routing, memory, kv_staging's peer writes; no sglang) only.
 
 ``--pattern dsv41``: the blocks sglang 0.5.23 sends for one DeepSeek-V4.1
 request, per request instead of per batch. Several paths from one run, on the same

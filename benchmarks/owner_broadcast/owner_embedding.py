@@ -22,7 +22,8 @@ placeholder rows; ChunkAssembly): without it a full hit is a bare dict lookup
 per image, far cheaper than any real chunk, and `known` rows overstate what
 the routing adds.
 
-Imports only torch and sglang_dsv41.core (run with PYTHONPATH=python).
+Imports only torch and sglang_dsv41.owner_broadcast's plain modules (protocol,
+routing; no sglang; run with PYTHONPATH=python).
 
 Modes
   --mode gloo --world N      N CPU processes, real gloo group, real protocol.

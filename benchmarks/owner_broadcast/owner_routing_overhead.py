@@ -2,7 +2,7 @@
 
 A chunk whose images every rank already holds is served by stock sglang with
 cache lookups and assembly; with the plugin the chunk is first routed
-(``core.owner_routing``: the request's image table, built on its first chunk;
+(``owner_broadcast.routing``: the request's image table, built on its first chunk;
 the chunk's spans; a directory lookup unless the request is known already;
 the directory touched afterwards) and, routed ``known``, runs the same stock
 code with no collective. This script times

@@ -1,5 +1,5 @@
 """Helpers for the DeepSeek-V4.1 CP runtime tests (this package's own version of the
-seed's ``dsv41_cp_test_utils``; it lives with the tests, not in sglang's namespace).
+original fork's ``dsv41_cp_test_utils``; it lives with the tests, not in sglang's namespace).
 
 Everything runs sglang 0.5.23's real CP code: ``InterleaveCPStrategy`` bound with
 ``init_cp_strategy``, the real ``ForwardBatch``, ``cp_shard_model_inputs`` /

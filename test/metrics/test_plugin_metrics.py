@@ -4,7 +4,7 @@ Under ``--enable-metrics`` sglang sets ``PROMETHEUS_MULTIPROC_DIR`` in the
 launcher before it spawns anything, and its HTTP server mounts ``/metrics``
 with a ``MultiProcessCollector`` over that directory
 (``sglang.srt.utils.add_prometheus_middleware``). Here a separate process
-(standing in for a scheduler) counts through ``core.plugin_metrics`` and the
+(standing in for a scheduler) counts through ``sglang_dsv41.metrics`` and the
 test serves sglang's real middleware with uvicorn on 127.0.0.1 and reads
 ``/metrics`` over HTTP.
 """

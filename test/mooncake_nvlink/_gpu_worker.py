@@ -1,7 +1,7 @@
 """One process of the Mooncake NVLink routing GPU test (receiver or sender).
 
-Imports only torch, mooncake and sglang_dsv41.core (PYTHONPATH=python), so it
-runs on the GPU machine, which has no sglang.
+Imports only torch, mooncake and sglang_dsv41.mooncake_nvlink.{memory,routing}
+(PYTHONPATH=python), so it runs on the GPU machine, which has no sglang.
 
     python _gpu_worker.py receiver '<cfg json>'
     python _gpu_worker.py sender '<cfg json>' '<receiver READY json>'

@@ -12,7 +12,8 @@
 # sglang does) and debs/*.deb (libibverbs1 librdmacm1 libnuma1 ibverbs-providers,
 # Debian bookworm). The wheels go into a scratch --target dir, the debs are
 # unpacked with dpkg -x onto LD_LIBRARY_PATH; nothing is installed system-wide.
-# Needs python3 with torch (CUDA); imports torch, mooncake, sglang_dsv41.core only.
+# Needs python3 with torch (CUDA); imports torch, mooncake and sglang_dsv41.mooncake_nvlink's
+# plain modules (routing, memory, kv_staging's peer writes; no sglang) only.
 set -uo pipefail
 
 CARRY="$(cd "${1:?usage: run_mooncake_gpu.sh <carried folder with wheels/ and debs/> [all|dsv41] [options]}" && pwd)"

@@ -9,8 +9,8 @@ nvlink_intra), device KV/state pools and pinned host aux/state buffers:
   which is the bug the routing exists for;
 - GPU0 -> GPU1 when two GPUs exist (skipped otherwise).
 
-Imports only torch, mooncake and sglang_dsv41.core. Runs under pytest or as a
-script: ``PYTHONPATH=python python test/mooncake_nvlink/test_mooncake_nvlink_gpu.py``.
+Imports only torch, mooncake and sglang_dsv41.mooncake_nvlink's plain modules
+(routing, memory; no sglang). Runs under pytest or as a script: ``PYTHONPATH=python python test/mooncake_nvlink/test_mooncake_nvlink_gpu.py``.
 """
 
 from __future__ import annotations

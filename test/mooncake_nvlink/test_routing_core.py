@@ -1,4 +1,4 @@
-"""Unit tests of the routing core (no sglang, no Mooncake)."""
+"""Unit tests of mooncake_nvlink.routing and mooncake_nvlink.memory (no sglang, no Mooncake)."""
 
 from __future__ import annotations
 

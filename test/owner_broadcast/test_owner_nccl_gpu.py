@@ -9,8 +9,8 @@ served or evicted, the status-only session of mode guarded, and a failure
 injected at every phase on either rank. A hang fails the test through the
 process timeout.
 
-Imports only torch, msgspec and sglang_dsv41.core. Runs under pytest or as a
-script: ``PYTHONPATH=python python test/owner_broadcast/test_owner_nccl_gpu.py``.
+Imports only torch, msgspec and sglang_dsv41.owner_broadcast's plain modules
+(protocol, routing; no sglang). Runs under pytest or as a script: ``PYTHONPATH=python python test/owner_broadcast/test_owner_nccl_gpu.py``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The seed fork's test_dsv41_dspark_pd.py cases, rewritten against sglang 0.5.23.
+"""The original fork's test_dsv41_dspark_pd.py cases, rewritten against sglang 0.5.23.
 
-What changed against the seed:
+What changed against the original fork's case list:
 * handshakes go through a real bootstrap server on 127.0.0.1 and real
   ``CommonKVManager`` objects (prefill ranks register over HTTP) instead of a
   patched ``requests.get`` and hand-assembled managers;
-* the seed's ``test_unequal_model_tp_rejected`` expected the (TP2, CP1) prefill
-  against an attention-TP4 hybrid-MLA decode to be refused with "same TP size"; the
-  decision of issue 6 accepts it (case c), and the other two shapes are refused with
-  a message naming the fields and both values;
+* the original fork's ``test_unequal_model_tp_rejected`` expected the (TP2, CP1)
+  prefill against an attention-TP4 hybrid-MLA decode to be refused with "same TP
+  size"; the PD pairing rule (docs/design/pd_handshake.md) accepts it (case c), and
+  the other two shapes are refused with a message naming the fields and both values;
 * the retraction case uses 0.5.23's API: ``mem_cache.common.backup_kv_cache`` and a
   ``DecodePreallocQueue.add`` that rebootstraps every DeepSeek-V4 pool itself (with or
   without DSpark), which is upstream behaviour pinned here, not plugin behaviour.
@@ -68,7 +68,7 @@ def assert_rejected_before_caching(manager, addr, *phrases):
 
 
 # ------------------------------------------------------------ TestDSV41DSparkPD
-LAYOUT_CHANGES = {  # seed case -> KVArgs change on the prefill side, and the message
+LAYOUT_CHANGES = {  # original fork's case -> KVArgs change on the prefill side, and the message
     "num_draft_tokens": (None, "spec_layout.num_draft_tokens: prefill=5, decode=6"),
     "kv_layer_ids": ({"kv_layer_ids": [2, 1]},
                      "spec_layout.kv_layer_ids: prefill=[2, 1], decode=[1, 2]"),
@@ -119,7 +119,7 @@ def test_dspark_on_one_side_only_is_rejected():
 
 
 def test_tp_mismatch_without_cp_is_rule_c_for_mla_and_rejected_otherwise():
-    # The seed expected a rejection here; the decision accepts it for MLA pools.
+    # The original fork expected a rejection here; the pairing rule accepts it for MLA pools.
     with paired(P(2), D(4)) as (server, managers):
         for rank, manager in enumerate(managers):
             assert manager.try_ensure_parallel_info(server.addr) is True

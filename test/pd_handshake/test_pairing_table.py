@@ -4,7 +4,7 @@ accepted pairs the rank mapping that sglang 0.5.23's own code computes with the 
 Prefill shapes: (TP, attention CP, attention DP); decode shapes: (TP, attention DP);
 with and without DSpark; MLA (DeepSeek-V4's pool), hybrid-MLA and a non-MLA pool.
 
-* ``test_pure_rule_*``: ``core.pd_pairing`` against the decision, restated here as a
+* ``test_pure_rule_*``: ``pd_handshake.pairing`` against the decision, restated here as a
   few lines of its own (``decision``), on sides built the way the deployment tool
   builds them (``side_from_args``).
 * ``test_runtime_*``: per prefill shape, a real bootstrap server on 127.0.0.1, the
@@ -50,7 +50,7 @@ STAND_IN_LAYOUT = {"model": "deepseek-v4.1", "num_draft_tokens": 6, "kv_cache_dt
 
 
 def decision(p: H.PrefillShape, d: H.DecodeShape, dspark: bool, pool: str):
-    """Issue 6's decision, written out independently of the implementation."""
+    """The PD pairing rule's decision, written out independently of the implementation."""
     if not dspark:
         return Rule.NOT_DSPARK
     if p.cp == 1 and p.attn_tp == d.attn_tp:

@@ -1,7 +1,7 @@
 """Pin: a DeepSeek-V4.1 checkpoint served language-model-only may run as PD prefill
 or decode (the vision tower is not built; KV transfer is the text path).
 
-The seed fork added this exemption to ``handle_language_model_only``; sglang 0.5.23
+The original fork added this exemption to ``handle_language_model_only``; sglang 0.5.23
 has it (and lists DeepseekV4ForCausalLM among the language-model-only
 architectures). These run sglang's real `sglang serve` argument resolution on tiny
 configs (no weights) with the platform set to CUDA, and fail if it changes.

@@ -1,7 +1,7 @@
-"""Pin: the DSv4 paged indexer's row chunking (seed additions to
+"""Pin: the DSv4 paged indexer's row chunking (the original fork's additions to
 test_dsv4_nonpaged_indexer.py, rewritten against sglang 0.5.23).
 
-The seed fork added a capture-mode skip of the free-memory budget, ``row_chunks()``
+The original fork added a capture-mode skip of the free-memory budget, ``row_chunks()``
 pairing each row chunk with its own DeepGEMM schedule, and a chunked decode
 candidate publisher. sglang 0.5.23 has all three (the publisher moved from
 ``candidate_indexer_deep_gemm`` to ``v41_indexer.SparseTableBackend``); these tests

@@ -1,6 +1,6 @@
 """Pin: chunked prefill keeps advancing when a fake PD transfer bars radix inserts.
 
-The seed fork fixed ``maybe_cache_unfinished_req``: with ``skip_radix_cache_insert``
+The original fork fixed ``maybe_cache_unfinished_req``: with ``skip_radix_cache_insert``
 (a fake-transfer bootstrap host, or embedding overrides) it returned without
 recording the computed prefix, so the next chunk restarted from zero. sglang
 0.5.23 replaced that function and ``req.prefix_indices`` with the integer

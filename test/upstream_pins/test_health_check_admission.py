@@ -1,6 +1,6 @@
 """Pin: health-check admission is decided from state every CP/TP rank shares.
 
-The seed fork added ``Scheduler.is_sched_idle_cp_symmetric`` after a deadlock on
+The original fork added ``Scheduler.is_sched_idle_cp_symmetric`` after a deadlock on
 cp2/cp4 with hierarchical cache: one rank admitted a health-check generate while
 another skipped it, because the idle check read rank-local hicache drain queues,
 and the ranks then waited in different collectives. sglang 0.5.23 already decides
@@ -8,12 +8,12 @@ with ``is_fully_idle(for_health_check=True)``, which reads only collectively
 maintained state; this package ships upstream's predicate. These tests fail if
 that stops being true.
 
-Behaviour we ship where the seed differs (both are rank-symmetric, see below):
-- the grammar queue does not block health-check admission (the seed's predicate
-  counted it). Grammar readiness is synchronized across ranks, but a queued
+Behaviour we ship where the original fork differs (both are rank-symmetric, see below):
+- the grammar queue does not block health-check admission (the original fork's
+  predicate counted it). Grammar readiness is synchronized across ranks, but a queued
   grammar request is not running on the GPU, so it carries no health information;
 - on a PD decode server, requests retracted to the prealloc queue block admission
-  (the seed's predicate ignored them). Retraction is a collective scheduling
+  (the original fork's predicate ignored them). Retraction is a collective scheduling
   decision, so every rank sees the same retracted queue.
 
 Real: Scheduler.process_input_requests and is_fully_idle on scheduler objects

@@ -1,7 +1,7 @@
 """Pin: the interleave prefill-CP input contracts the V4.1 CP runner builds on.
 
 sglang 0.5.23's ``cp_shard_model_inputs`` / ``cp_gather_after_forward`` already do
-what the seed fork's text-CP tests asked for: rank-local embeddings, positions and
+what the original fork's text-CP tests asked for: rank-local embeddings, positions and
 ids with zero padding, MoE routing ids for the whole batch in rank-major order
 (or this rank's shard under an all-to-all MoE backend), the speculative hidden
 states sharded for the body, everything restored even when the body raises, and

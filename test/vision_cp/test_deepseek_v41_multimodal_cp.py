@@ -227,7 +227,7 @@ def test_text_only_models_keep_given_embeddings():
     assert ids is batch.input_ids and embeds is given
 
 
-# --- with the owner-broadcast embedding (issue 3) over the CP group ------------------------
+# --- with the owner-broadcast embedding over the CP group ----------------------------------
 
 OWNER_PATCHES = (*RUNTIME_PATCHES, "OWN-FENCE", "OWN-TEXT-EMBED", "OWN-ENCODE")
 

@@ -5,7 +5,7 @@ sglang 0.5.23's real argument resolution and constructor, in a fresh interpreter
 vision with CP; with VCP-BUILD, CUDA + interleave builds the vision tower, zigzag
 and NPU are refused with our message, and every other constructor check stays.
 
-Where the seed differs: the seed allowed vision with a MoE all-to-all backend only
+Where the original fork differs: it allowed vision with a MoE all-to-all backend only
 for MegaMoE on a PD decode node. sglang 0.5.23 allows CUDA MegaMoE on any node, and
 we ship its rule unchanged (VCP-BUILD lifts the CP guard only; every other check of
 the constructor is upstream's). Vision + CP + MegaMoE prefill has not been run on a

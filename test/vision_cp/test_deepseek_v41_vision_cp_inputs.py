@@ -9,7 +9,7 @@ inputs). One process plays each CP rank; ``PeerShardsGroup`` supplies the other
 ranks' all-gather shards. The same path under real gloo collectives is in
 test_deepseek_v41_multimodal_cp.py.
 
-Where the seed's tests differ: the seed's runner called ``prepare_model_inputs``
+Where the original fork's tests differ: its runner called ``prepare_model_inputs``
 while its multimodal test drove ``prepare_language_model_inputs`` directly. We ship
 both names: the runner calls ``prepare_model_inputs`` (VCP-PREPARE), which delegates
 to 0.5.23's ``prepare_language_model_inputs``, so wrappers of the latter (the

@@ -11,7 +11,8 @@ no-op:
   sglang   upstream's method alone: block lists built, engine call a no-op;
   blocks   the same with the plugin's transfer hook (router) in peer mode, each
            block list going the direct way (counted), the engine call a no-op;
-  pages    the plugin's page path (``hooks.kv_staging.around_send_kvcache_generic``,
+  pages    the plugin's page path
+           (``mooncake_nvlink.kv_staging.hooks.around_send_kvcache_generic``,
            each kind of call learnt beforehand as in a running server), the copy
            a no-op;
   held     the page path as a transfer worker runs a request: earlier chunks'

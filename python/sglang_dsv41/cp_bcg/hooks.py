@@ -1,7 +1,7 @@
 """Adapters: DeepSeek-V4 interleave prefill CP inside the breakable prefill CUDA graph.
 
 Everything here is a pass-through unless ``SGLANG_DSV41_CP_BCG=1``
-(``core.cp_bcg_rules.cp_bcg_enabled``):
+(``cp_bcg.setting.cp_bcg_enabled``):
 
 - ``around_supports_prefill_cp_bcg``: the one predicate sglang asks, from the
   launcher's argument resolution (default graph backend, incompatibility rules)

@@ -89,14 +89,14 @@ def connect(open_session: SessionOpener, image_modality: Callable[[], Any]) -> N
 def _image_modality():
     global _IMAGE
     if _image_modality_of_engine is None:
-        raise RuntimeError("owner chunks: no engine adapter connected (core.owner_chunks.connect)")
+        raise RuntimeError("owner chunks: no engine adapter connected (owner_broadcast.chunks.connect)")
     _IMAGE = _image_modality_of_engine()
     return _IMAGE
 
 
 def open_session(model, forward_batch, local_encode: bool = False) -> OwnerSession:
     if _open_session is None:
-        raise RuntimeError("owner chunks: no engine adapter connected (core.owner_chunks.connect)")
+        raise RuntimeError("owner chunks: no engine adapter connected (owner_broadcast.chunks.connect)")
     return _open_session(model, forward_batch, local_encode)
 
 

@@ -1,7 +1,7 @@
 """Adapters: owner-broadcast image embedding inside sglang 0.5.23's DeepSeek-V4.1 model.
 
-The protocol is ``core.owner_embedding``, the routing ``core.owner_routing``,
-the reading of sglang's batch objects ``core.owner_chunks``. These hooks
+The protocol is ``owner_broadcast.protocol``, the routing ``owner_broadcast.routing``,
+the reading of sglang's batch objects ``owner_broadcast.chunks``. These hooks
 connect them to sglang: the group and router at model build (``OWN-GROUP``),
 a request's image table at admission (``OWN-ADMIT``), the chunk's route and
 session around the input preparation (``OWN-FENCE``), the per-image encode

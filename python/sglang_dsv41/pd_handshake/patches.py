@@ -23,14 +23,14 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.AROUND,
         hook="sglang_dsv41.pd_handshake.hooks:around_try_ensure_parallel_info",
         roles=roles(Role.SCHEDULER),
-        reason="Decode side of the PD handshake: apply core.pd_pairing (DSpark on both, "
+        reason="Decode side of the PD handshake: apply pd_handshake.pairing (DSpark on both, "
         "identical layouts, MLA/hybrid-MLA pool: accept equal shapes and cases a/b/c, "
         "reject the rest naming fields and both values) before any peer info is cached "
         "or rank mapping resolved. AROUND with a scoped, per-thread PrefillServerInfo "
         "rebinding and a manager view instead of a REPLACE of the whole method; the "
         "fingerprint covers the body those substitutions rely on.",
         source="the original fork's disaggregation/common/conn.py (try_ensure_parallel_info TP/CP "
-        "relaxation), narrowed to the pairing rule of core.pd_pairing",
+        "relaxation), narrowed to the pairing rule of pd_handshake.pairing",
         signature="(self, bootstrap_addr: str)",
         ast_sha="4ba2b8ed17654460",
     ),

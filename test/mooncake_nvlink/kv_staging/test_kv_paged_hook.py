@@ -1,6 +1,6 @@
 """The page path of KV peer writes against sglang 0.5.23's own send code.
 
-``hooks.kv_staging.around_send_kvcache_generic`` learns a call's buffer
+``mooncake_nvlink.kv_staging.hooks.around_send_kvcache_generic`` learns a call's buffer
 pairing from upstream's ``MooncakeKVManager._send_kvcache_generic`` (a dry run
 for one page that the transfer hook keeps from the engine) and writes the
 call's pages in one peer write. Here the real upstream method runs on a
