@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,7 +49,6 @@ logger = logging.getLogger("sglang_dsv41.mooncake")
 
 PEER_MAP_ATTR = "_dsv41_peer_map"
 _STATE_ATTR = "_dsv41_kv_staging"
-_SWEEP_EVERY_S = 1.0  # how often a send looks for sessions sglang counts failed
 # Per thread: a layout capture's sink, and why the page path left a send to upstream's blocks.
 _capture = threading.local()
 
@@ -75,7 +73,6 @@ class StagingState:
     mappings: Optional[SessionMappings] = None  # prefill
     layouts: dict = field(default_factory=dict)  # prefill: kind of send call -> _LearntCall
     lock: threading.Lock = field(default_factory=threading.Lock)
-    next_sweep: float = 0.0
     prober: Optional[threading.Thread] = None  # prefill: probes the decodes it maps
     stopped: threading.Event = field(default_factory=threading.Event)
 
@@ -145,8 +142,10 @@ def set_up(manager, device_regions=()) -> None:
             f"writes: {exc}. Unset {STAGING_ENV} or fix the cause."
         ) from exc
     manager.__dict__[_STATE_ATTR] = state
-    if state.mappings is not None:
-        _start_prober(manager, state)
+    if state.mappings is not None:  # a write never fails when its decode dies: probe it
+        state.prober = threading.Thread(target=_probe_loop, args=(manager, state), daemon=True,
+                                        name="dsv41-kv-peer-probe")
+        state.prober.start()
     if state.exported is not None:
         logger.info("[sglang-dsv41] KV peer writes on (decode side, %s): %d regions in %d allocations "
                     "exported", state.transport.kind, len(state.exported.regions), len(state.exported.handles))
@@ -210,23 +209,8 @@ def after_teardown(result, self):
 # --- prefill: a decode session's map, and the batches that go the direct way ----------------
 
 
-def _sweep_failed_sessions(manager, state: StagingState) -> None:
-    """Let go of the mappings of sessions sglang counts failed (a dead decode's memory)."""
-    now = time.monotonic()
-    if now < state.next_sweep:
-        return
-    state.next_sweep = now + _SWEEP_EVERY_S
-    try:  # sglang's bootstrap and worker threads change the set: a copy may meet that
-        failed = list(getattr(manager, "failed_sessions", ()) or ())
-    except RuntimeError:
-        return
-    if failed:
-        state.mappings.drop(failed, SESSION_FAILED)
-
-
 def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optional[PeerTarget], Optional[str]]:
     """The opened peer map of ``session_id``'s latest registration, or (None, why not)."""
-    _sweep_failed_sessions(manager, state)
     info = (getattr(manager, "decode_kv_args_table", None) or {}).get(session_id)
     peer = getattr(info, PEER_MAP_ATTR, None)
     if peer is None:  # a registration without a (usable) map: any older mapping of it goes
@@ -235,20 +219,7 @@ def _peer_target(manager, state: StagingState, session_id: str) -> tuple[Optiona
     return state.mappings.target(session_id, peer)
 
 
-# --- prefill: a mapped decode that stops ------------------------------------------------------
-#
-# A write into a mapping never fails when its decode dies (the mapping keeps the memory), so
-# sglang, which counts a session failed when a transfer to it fails, would never learn it; and
-# its restart (new session id, new ports) looks like a new decode. So a prefill probes each
-# mapped decode with sglang's own probe, and one that stops answering is counted failed as a
-# failed transfer would count it (its requests fail at once; sglang's probe loop takes it back
-# if it answers again) and its mapping is let go.
-
-
-def _start_prober(manager, state: StagingState) -> None:
-    state.prober = threading.Thread(target=_probe_loop, args=(manager, state), daemon=True,
-                                    name="dsv41-kv-peer-probe")
-    state.prober.start()
+# --- prefill: a mapped decode that stops (why: docs/design/kv_staging.md, mappings) ---------
 
 
 def _probe_loop(manager, state: StagingState) -> None:
@@ -260,7 +231,15 @@ def _probe_loop(manager, state: StagingState) -> None:
 
 
 def probe_mapped_decodes(manager, state: StagingState) -> list[str]:
-    """One probe of every mapped decode session; those let go (counted failed with sglang)."""
+    """One pass: the mappings of sessions sglang counts failed go; every other mapped decode is
+    probed, and those that stopped answering are let go and counted failed with sglang (returned)."""
+    try:  # sglang's threads change the set while it is copied
+        failed = list(getattr(manager, "failed_sessions", ()) or ())
+    except RuntimeError:
+        failed = []
+    if failed:
+        state.mappings.drop(failed, SESSION_FAILED)
+
     def answers(session: str) -> bool:
         try:
             return manager._send_probe(session) == 0
@@ -461,25 +440,10 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
 
 # --- prefill: a request's last sends held for one write (peer mode) ------------------------
 #
-# Each send call written on its own costs a launch and a synchronize; a request's
-# last chunk makes three or four (its KV, then the state). On a transfer worker
-# thread, the page-path sends of a last chunk are held (``PeerWrites``) and
-# written as one batch before anything can tell the decode, or the prefill's
-# scheduler, that the request is done. Their sources are KV and state pool
-# pages, which stay put until the request is concluded. The barriers:
-# - when ``maybe_send_extra`` (the state sends) returns: before upstream checks
-#   the room for an abort and before it counts the chunk as drained (the abort
-#   acknowledgement waits for that count);
-# - when a transfer is concluded (success or failure), on this thread: the
-#   status goes out after the bytes. A failed write turns a success into the
-#   request's failure;
-# - when the worker takes its next chunk, anything still held is dropped, never
-#   written late (no path is known to leave writes there; counted if one does).
-# Non-last chunks are written and waited for at once: right after their send
-# returns upstream counts the chunk as drained, and with the decode's deferred KV
-# release an abort is acknowledged on that count, after which the decode reuses
-# the pages. A copy still in flight then (a launch queued behind a long forward
-# kernel) could land in another request's KV, so none is left in flight.
+# Why and until when: docs/design/kv_staging.md ("How a user meets it", item 4). The
+# barriers: the state sends returning (MC-KVS-STATE), the transfer's conclusion on this
+# thread (MC-KVS-CONCLUDE), the worker's next chunk (held.ChunkAwareQueue: dropped).
+
 
 def _room_gone(manager, room) -> bool:
     """Whether sglang already counts ``room`` failed (an abort included) or cleared it."""
