@@ -95,6 +95,8 @@ BAD_CASES = {
                               ["port 99999 (HTTP (--port)) is not a TCP port (1 to 65535)"], 1),
     "negative-base-gpu.yml": ("negative-base-gpu.yml/sglang", ["--base-gpu-id must not be negative"], 1),
     "pp-size-zero.yml": ("pp-size-zero.yml/sglang", ["--pp-size 0: must be at least 1"], 1),
+    "mooncake-master-bad-port.yml": ("mooncake-master-bad-port.yml/sglang",
+                                     ["Mooncake master '127.0.0.1:abc': the port is not a TCP port"], 1),
     "router-odd-arguments.yml": ("router-odd-arguments.yml/router",
                                  ["http://127.0.0.1:99999: not a server URL (Port out of range"], 2),
 }

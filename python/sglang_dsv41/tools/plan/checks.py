@@ -623,8 +623,12 @@ def check_mooncake(plan: Plan) -> list[Problem]:
                                                "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or "
                                                "--hicache-storage-backend-extra-config"))
             continue
-        host, _, port_text = lay.mooncake_master.rpartition(":")
-        port = int(port_text) if port_text.isdigit() else MOONCAKE_MASTER_RPC_PORT
+        host, colon, port_text = lay.mooncake_master.rpartition(":")
+        if colon and not (port_text.isascii() and port_text.isdigit() and 1 <= int(port_text) <= 65535):
+            problems.append(Problem(svc.label, f"Mooncake master {lay.mooncake_master!r}: the port is not "
+                                               "a TCP port (1 to 65535)"))
+            continue
+        port = int(port_text) if colon else MOONCAKE_MASTER_RPC_PORT
         master = None
         for candidate in plan.masters:
             msvc = candidate.service
