@@ -124,7 +124,7 @@ def test_bcg_verify_script_compares_tokens_and_prints_the_ttft_ratio(tmp_path, d
 
 @pytest.mark.timeout(60)
 def test_bcg_verify_script_unreachable_server_fails_naming_it(tmp_path):
-    proc = run_script("--urls", "http://127.0.0.1:9", "http://127.0.0.1:9", env={"OUT": str(tmp_path)})
+    proc = run_script("--urls", "http://127.0.0.1:9", "http://127.0.0.1:19", env={"OUT": str(tmp_path)})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "A: http://127.0.0.1:9/generate:" in cp_bcg(tmp_path)["detail"]
 
