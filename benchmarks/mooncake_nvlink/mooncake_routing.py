@@ -436,10 +436,10 @@ def peer_transport(args):
     if args.pattern != "dsv41" or args.no_peer:
         return None
     if args.mode == "gpu":
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
+        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import CudaBatchCopy
         from sglang_dsv41.mooncake_nvlink.kv_staging.peer import CudaIpcTransport
 
-        return CudaIpcTransport(batch_copy_for(args.gpu), args.gpu)
+        return CudaIpcTransport(CudaBatchCopy(args.gpu), args.gpu)
     from host_peer import HostCmaTransport  # the tests' stand-in for the GPU
 
     return HostCmaTransport()

@@ -52,10 +52,10 @@ def test_module_needs_neither_torch_nor_triton_nor_cuda():
         sys.modules["torch"] = None  # any import of torch or triton now fails
         sys.modules["triton"] = None
         import numpy as np
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (BatchCopyError, CudaBatchCopy, batch_copy_for,
+        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import (BatchCopyError, CudaBatchCopy,
                                                                         paged_copy)
         assert paged_copy([(4096, 8192, 64)], np.array([1]), np.array([2])).page_bytes == 64
-        for make in (lambda: batch_copy_for(None), lambda: CudaBatchCopy(0)):
+        for make in (lambda: CudaBatchCopy(None), lambda: CudaBatchCopy(0)):
             try:
                 make()
             except BatchCopyError as exc:
@@ -79,16 +79,16 @@ def test_importing_loads_no_gpu_library():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
-def test_batch_copy_for_without_a_gpu_says_why():
+def test_copier_without_a_gpu_says_why():
     proc = run_in_subprocess("""
-        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, batch_copy_for
+        from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, CudaBatchCopy
         for args in ((None,), (0,)):
             try:
-                batch_copy_for(*args)
+                CudaBatchCopy(*args)
             except BatchCopyError as exc:
                 print("REFUSED", exc)
             else:
-                raise SystemExit(f"batch_copy_for{args} gave a copier without a GPU")
+                raise SystemExit(f"CudaBatchCopy{args} gave a copier without a GPU")
     """, env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
     lines = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]

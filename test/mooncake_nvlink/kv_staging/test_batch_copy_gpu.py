@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from host_peer import expand_paged  # noqa: E402
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, batch_copy_for, paged_copy  # noqa: E402
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import BatchCopyError, CudaBatchCopy, paged_copy  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -34,7 +34,7 @@ DST_POOL = 1024 * MiB
 
 @pytest.fixture(scope="module")
 def copier():
-    return batch_copy_for(0)
+    return CudaBatchCopy(0)
 
 
 @pytest.fixture(scope="module")
@@ -218,10 +218,10 @@ def test_bad_copies_raise_not_crash(copier, pools):
 
 
 def test_copier_choice():
-    chosen = batch_copy_for(None)
+    chosen = CudaBatchCopy(None)
     assert chosen.backend == "triton" and chosen.device == torch.cuda.current_device()
     with pytest.raises(BatchCopyError, match="does not exist"):
-        batch_copy_for(torch.cuda.device_count())
+        CudaBatchCopy(torch.cuda.device_count())
 
 
 def test_a_launcher_that_takes_other_arguments_stops_the_build(monkeypatch):
@@ -234,7 +234,7 @@ def test_a_launcher_that_takes_other_arguments_stops_the_build(monkeypatch):
 
     monkeypatch.setattr(CompiledKernel, "run", property(lambda self: refuse))
     with pytest.raises(BatchCopyError, match="probe failed: .*launcher takes other arguments"):
-        batch_copy_for(0)
+        CudaBatchCopy(0)
 
 
 # --- the paged kernel

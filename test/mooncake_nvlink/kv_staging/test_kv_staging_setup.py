@@ -72,7 +72,7 @@ def test_a_copy_without_triton_is_refused_on_the_prefill(monkeypatch):
     def without_triton(device):
         raise batch_copy.BatchCopyError("the batched copy needs Triton, which does not import: no module")
 
-    monkeypatch.setattr(batch_copy, "batch_copy_for", without_triton)
+    monkeypatch.setattr(batch_copy, "CudaBatchCopy", without_triton)
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
     with pytest.raises(RuntimeError, match="=peer but the prefill side cannot set up peer writes.*Triton"):
         kv_staging.set_up(_manager("prefill"))
@@ -82,7 +82,7 @@ def test_a_prefill_manager_without_sglangs_probe_is_refused_before_building_anyt
     import sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy as batch_copy
 
     built = []
-    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device: built.append(device))
+    monkeypatch.setattr(batch_copy, "CudaBatchCopy", lambda device: built.append(device))
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
     manager = _manager("prefill")
     del manager._send_probe  # a release whose manager cannot probe a decode
@@ -129,7 +129,7 @@ def test_peer_mode_exports_the_registered_regions_and_only_the_prefill_builds_a_
 
     built = []
     monkeypatch.setenv("SGLANG_DSV41_KV_STAGING", "peer")
-    monkeypatch.setattr(batch_copy, "batch_copy_for", lambda device: built.append(device) or "copier")
+    monkeypatch.setattr(batch_copy, "CudaBatchCopy", lambda device: built.append(device) or "copier")
     monkeypatch.setattr(peer, "CudaIpcTransport", Transport)
     decode = _manager("decode")
     kv_staging.set_up(decode, [(0x10000, 0x2000), (0x40000, 0x100)])

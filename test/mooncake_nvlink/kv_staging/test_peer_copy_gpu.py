@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PagesOutsideBuffers, batch_copy_for  # noqa: E402
+from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import PagesOutsideBuffers, CudaBatchCopy  # noqa: E402
 from sglang_dsv41.mooncake_nvlink.kv_staging.peer import (  # noqa: E402
     FALLBACK_OUTSIDE_PEER_MAP,
     CudaIpcTransport,
@@ -54,7 +54,7 @@ def _decode_side(device: int, conn) -> None:
     pool = torch.zeros(lead + BUFFERS * BUFFER_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
     buffers = [pool[lead + i * BUFFER_BYTES:lead + (i + 1) * BUFFER_BYTES] for i in range(BUFFERS)]
     torch.cuda.synchronize()
-    copier = batch_copy_for(device)
+    copier = CudaBatchCopy(device)
     transport = CudaIpcTransport(copier, device)
     peer = transport.export([(b.data_ptr(), b.numel()) for b in buffers])
     conn.send(encode_peer_map(peer))
@@ -88,7 +88,7 @@ def decode():
 
 @pytest.fixture(scope="module")
 def transport():
-    return CudaIpcTransport(batch_copy_for(0), 0)
+    return CudaIpcTransport(CudaBatchCopy(0), 0)
 
 
 def _bound(target, entries, src):

@@ -288,11 +288,17 @@ class CudaBatchCopy:
 
     backend = "triton"
 
-    def __init__(self, device: int):
+    def __init__(self, device: Optional[int] = None):
+        """``device``: a CUDA device number; None: the current device."""
         torch = _torch()
-        if not torch.cuda.is_available():
+        try:
+            usable = torch.cuda.is_available()
+        except Exception as exc:  # a driver that fails its own query
+            raise BatchCopyError(f"CUDA is not usable: {exc}") from exc
+        if not usable:
             raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
         count = torch.cuda.device_count()
+        device = torch.cuda.current_device() if device is None else device
         if not isinstance(device, int) or not 0 <= device < count:
             raise BatchCopyError(f"CUDA device {device!r} does not exist ({count} visible)")
         try:
@@ -404,20 +410,3 @@ class CudaBatchCopy:
         self._run(programs, 1, 1, lane.stream_handle, self._function, self._metadata, None, None, None,
                   lane.device_ptr, PAGED_CHUNK_BYTES)
 
-
-def batch_copy_for(device: Optional[int]) -> CudaBatchCopy:
-    """The CUDA batch copier for ``device`` (None: the current one).
-
-    Raises BatchCopyError when it cannot be built (no usable GPU, no Triton, a
-    kernel that fails its probe); the caller decides what that means.
-    """
-    torch = _torch()
-    try:
-        usable = torch.cuda.is_available()
-    except Exception as exc:  # a driver that fails its own query
-        raise BatchCopyError(f"CUDA is not usable: {exc}") from exc
-    if not usable:
-        raise BatchCopyError("no CUDA device is usable (torch.cuda.is_available() is False)")
-    if device is None:
-        device = torch.cuda.current_device()
-    return CudaBatchCopy(int(device))

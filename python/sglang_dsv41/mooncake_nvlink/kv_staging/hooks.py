@@ -100,9 +100,9 @@ def _transport_for(manager, role: str) -> PeerTransport:
 
     if role == "decode":
         return CudaIpcTransport(None, _gpu_id(manager))
-    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import batch_copy_for
+    from sglang_dsv41.mooncake_nvlink.kv_staging.batch_copy import CudaBatchCopy
 
-    return CudaIpcTransport(batch_copy_for(_gpu_id(manager)), _gpu_id(manager))
+    return CudaIpcTransport(CudaBatchCopy(_gpu_id(manager)), _gpu_id(manager))
 
 
 def _peer_maps_released(reason: str) -> None:

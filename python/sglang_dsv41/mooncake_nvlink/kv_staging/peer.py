@@ -454,13 +454,6 @@ class PeerWrites:
     def __len__(self) -> int:
         return len(self._copies)
 
-    def _hold_open(self, target: PeerTarget) -> bool:
-        """Acquire ``target`` for what is held (the caller checked it is not held open yet)."""
-        if not target.acquire():  # retired meanwhile: a newer map replaced it
-            return False
-        self._held_open[id(target)] = target
-        return True
-
     def add_pages(self, bound: BoundLayout, src_pages, dst_pages) -> Optional[str]:
         """Hold one call's pages; None, or why the page path cannot take it (nothing held).
 
@@ -472,8 +465,10 @@ class PeerWrites:
         if p is None:
             return NOT_PAGES
         target = bound.target
-        if id(target) not in self._held_open and not self._hold_open(target):
-            return FALLBACK_NO_PEER_MAP
+        if id(target) not in self._held_open:
+            if not target.acquire():  # retired meanwhile: a newer map replaced it
+                return FALLBACK_NO_PEER_MAP
+            self._held_open[id(target)] = target
         # The caller's arrays may change once it returns: hold copies (in their own integer
         # type: the launch table converts them as it takes them in). A tuple built as the
         # PagedCopy it is, without its constructor's argument handling: this runs per send.

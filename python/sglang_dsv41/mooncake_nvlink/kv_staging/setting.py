@@ -33,7 +33,6 @@ class StagingConfigError(ValueError):
 @dataclass(frozen=True)
 class StagingConfig:
     min_blocks: int = DEFAULT_MIN_BLOCKS
-    mode: str = MODE_PEER
 
 
 def staging_config(environ: Optional[Mapping[str, str]] = None) -> Optional[StagingConfig]:
