@@ -208,16 +208,11 @@ def _torch():
 
 
 class DeviceContext:
-    """Makes the copier's device current on the calling thread for one copy, through the CUDA driver.
+    """Makes the device's primary context current on the calling thread for one copy.
 
-    Compares the thread's current context with the device's primary context
-    (one driver call when it is already current). A thread that had another
-    context gets it back afterwards; a thread that had none keeps the device's
-    (nothing to restore, and its next copy finds it current). Restoring by
-    device number instead (cudaSetDevice, torch.cuda.set_device) would create
-    that device's context whenever the thread had none: a transfer worker of a
-    GPU-3 server would leave a context, some hundred MiB, on GPU 0.
-    ``driver``: libcuda, or a stand-in with the same four calls (tests).
+    A thread that had another context gets it back; one that had none keeps the
+    device's. (Restoring by device number would create a context, some hundred
+    MiB, on GPU 0 for a thread that had none.) ``driver``: libcuda or a stand-in.
     """
 
     def __init__(self, device: int, driver=None):

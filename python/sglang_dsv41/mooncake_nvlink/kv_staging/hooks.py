@@ -290,11 +290,9 @@ def captured(transfer_blocks) -> bool:
 def capture_layout(original, manager, call: dict) -> tuple[int, Optional[list]]:
     """Run upstream's call for page 0 to page 0 with the engine left out: its (rc, blocks).
 
-    Upstream decides which local buffer pairs with which peer buffer (pipeline
-    stages, layer ids, elided entries, its layout checks); for one page each
-    block it builds is one pair's (page-0 source, page-0 destination, bytes per
-    page). Nothing is transferred: the transfer hook sees the capture first.
-    Blocks None: upstream did not build the one batch this relies on.
+    Upstream pairs the buffers (pipeline stages, layer ids, elided entries, its
+    checks); each block it builds for one page is a pair's (page-0 source, page-0
+    destination, bytes per page). Blocks None: not the one batch this relies on.
     """
     sink: list = []
     _capture.sink, _capture.calls = sink, 0
@@ -324,14 +322,9 @@ def _layout_key(session_id, state_type, force_flat, *lists) -> tuple:
 
 
 def _paged_layout(original, manager, state: StagingState, key: tuple, call_as_given) -> tuple[int, Optional[_LearntCall]]:
-    """(rc, the call's learnt layout): learnt once per kind of call (``key``, ``_layout_key``).
-
-    The pairing depends only on the session, the state type and the pointer,
-    length and layer-id lists (and the manager's fixed layout), never on the
-    pages: so a decode that registers again with other buffers is learnt anew.
-    ``call_as_given()``: upstream's keyword arguments, built only to learn.
-    rc != 0: upstream refused the call.
-    """
+    """(rc, the call's learnt layout), learnt once per ``_layout_key`` (never per page list):
+    a decode that registers again with other buffers is learnt anew. ``call_as_given()``:
+    upstream's keyword arguments, built only to learn. rc != 0: upstream refused the call."""
     known = state.layouts.get(key)
     if known is not None:
         return 0, known
@@ -359,16 +352,10 @@ def around_send_kvcache_generic(original, self, mooncake_session_id, src_data_pt
                                 bootstrap_room=None):
     """AROUND MooncakeKVManager._send_kvcache_generic: in peer mode, one peer write from the page lists.
 
-    Upstream turns the page lists into one block per page run and buffer (a
-    thousand for a long fragmented request) before the transfer call; here the
-    call's layout is learnt from upstream itself (a dry run for one page), and
-    the pages go as one peer write built in NumPy: held for the request's one
-    write on a last chunk, else written at once. Anything the page path does
-    not cover (another mode, no peer map, separate destination pages per
-    buffer, layers on upstream's thread pool, few blocks, sources outside
-    device memory, destinations outside the map) is upstream's call as it was,
-    the direct way. A page outside its buffers fails the request, nothing of
-    its write made (the copy checks every page before it writes).
+    Not upstream's block per page run and buffer: the call's layout is learnt
+    from upstream itself (a dry run for one page) and its pages go as one
+    write, held on a last chunk. What the page path does not cover goes the
+    direct way, counted (design note, "How a user meets it", items 3 to 7).
     """
     if held.room_failed():  # a peer write of this request failed: nothing more goes to its pages
         return 0

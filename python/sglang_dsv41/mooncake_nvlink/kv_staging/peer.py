@@ -433,16 +433,11 @@ def _page_lists(p, d) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
 
 
 class PeerWrites:
-    """Writes held back until a barrier, then made as one batched copy.
-
-    A request's last sends (its final KV chunk, its state) each cost a launch
-    and a synchronize when written one by one; held here they go as one.
-    ``add_pages`` keeps a copy of the page lists and holds the target open (a
-    newer map cannot close it meanwhile); ``flush`` writes everything and
-    returns when it landed, ``discard`` drops it unwritten. Not thread-safe:
-    one per sending thread. (Starting the largest call at once, to overlap
-    its copy with the rest, was measured slower: a second launch and
-    synchronize cost more than the overlap saves.)
+    """Writes held back until a barrier, then made as one batched copy (one launch and
+    synchronize for a request's last sends, not one each). ``add_pages`` copies the page
+    lists and holds the target open; ``flush`` writes and returns when it landed,
+    ``discard`` drops it unwritten. One per sending thread. (Starting the largest call
+    at once, to overlap it with the rest, measured slower: a second launch costs more.)
     """
 
     def __init__(self):
