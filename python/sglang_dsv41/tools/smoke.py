@@ -254,37 +254,41 @@ def _exchange(url: str, timeout: float, data: bytes | None, limit: int,
         connection.close()
 
 
+def call_within(seconds: float, work, late: Exception, name: str = "smoke-request"):
+    """``work()`` in a daemon thread the caller waits ``seconds`` for: its value or its
+    exception, else ``late`` raised (the thread is left to die). So a request's deadline
+    covers every step (name lookup, connect, a server sending a byte at a time), not each
+    socket read."""
+    outcome: dict = {"error": late}
+
+    def run() -> None:
+        try:
+            outcome.update(value=work(), error=None)
+        except Exception as exc:  # raised again in the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if outcome["error"] is not None:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def fetch(url: str, timeout: float, body: dict | None = None,
              limit: int = MAX_JSON_BYTES) -> tuple[int, bytes]:
-    """(status, body) of one request, all of it within ``timeout`` seconds.
-
-    The exchange runs in a thread the caller waits for, so the deadline covers
-    every step (name lookup, connect, a server sending a byte at a time), not
-    each socket read; one past its deadline is cut off and left to die.
-    """
+    """(status, body) of one request, all of it within ``timeout`` seconds (``call_within``)."""
     data = None if body is None else json.dumps(body).encode()
-    outcome: dict = {}
     opened: list = []
-
-    def exchange() -> None:
-        try:
-            outcome["answer"] = _exchange(url, timeout, data, limit, opened)
-        except HttpFailure as exc:
-            outcome["error"] = str(exc)
-        except Exception as exc:  # whatever the other side made the client raise is a finding
-            outcome["error"] = _why(exc)
-
-    worker = threading.Thread(target=exchange, name="smoke-request", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
+    try:
+        return call_within(timeout, lambda: _exchange(url, timeout, data, limit, opened),
+                           HttpFailure(f"timed out: no complete answer within {timeout:g} s"))
+    except Exception as exc:  # whatever the other side made the client raise is a finding
+        raise exc if isinstance(exc, HttpFailure) else HttpFailure(_why(exc)) from None
+    finally:  # cut off an exchange past its deadline (one that ended closed its own)
         for connection in opened:
             with contextlib.suppress(OSError, AttributeError):
                 connection.sock.shutdown(socket.SHUT_RDWR)
-        raise HttpFailure(f"timed out: no complete answer within {timeout:g} s")
-    if "error" in outcome:
-        raise HttpFailure(outcome["error"])
-    return outcome["answer"]
 
 
 def fetch_json(url: str, timeout: float, body: dict | None = None) -> dict:

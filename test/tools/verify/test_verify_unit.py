@@ -277,8 +277,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, model, case, message):
 
 
 class _Answering:
-    """A server on 127.0.0.1 that answers every request ``how``: "empty" ({} at once) or
-    "drip" (a 100000-byte body, one byte every half second)."""
+    """A server on 127.0.0.1 that answers every request ``how``: "empty" ({} at once),
+    "drip" (a 100000-byte body, one byte every half second) or "drip-stream" (output ids
+    at once, a streamed request dripped)."""
 
     def __init__(self, how: str):
         import http.server
@@ -287,12 +288,14 @@ class _Answering:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def answer(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                sent = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                now = {"empty": b"{}", "drip-stream": b'{"output_ids": [1]}'}.get(how)
+                now = None if how == "drip-stream" and b'"stream": true' in sent else now
                 self.send_response(200)
-                self.send_header("Content-Length", "2" if how == "empty" else "100000")
+                self.send_header("Content-Length", str(len(now)) if now else "100000")
                 self.end_headers()
-                if how == "empty":
-                    self.wfile.write(b"{}")
+                if now:
+                    self.wfile.write(now)
                     return
                 while not server.closing:
                     self.wfile.write(b" ")
@@ -316,8 +319,9 @@ class _Answering:
 
 
 @pytest.mark.parametrize("how, why", [
-    ("empty", "the answer carries no output token ids to compare"),
-    ("drip", "timed out: no complete answer within 2 s"),
+    ("empty", ": the answer carries no output token ids to compare"),
+    ("drip", ": timed out: no complete answer within 2 s"),
+    ("drip-stream", " (streamed): no token within the timeout"),  # the time-to-first-token request
 ])
 def test_servers_that_answer_nothing_comparable_fail_within_the_timeout(tmp_path, how, why):
     import time
@@ -332,7 +336,7 @@ def test_servers_that_answer_nothing_comparable_fail_within_the_timeout(tmp_path
         a.close()
         b.close()
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"A: {a.url}/generate: {why}" in done.stdout and "NOT PASSED (0 passed, 1 failed" in done.stdout
+    assert f"A: {a.url}/generate{why}" in done.stdout and "NOT PASSED (0 passed, 1 failed" in done.stdout
     assert took < 30  # the timeout bounds each request, a server sending a byte at a time included
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import base64
 import json
 import statistics
-import threading
 import time
 import urllib.request
 
-from sglang_dsv41.tools.smoke import MAX_METRICS_BYTES, HttpFailure, fetch, fetch_json, tiny_png
+from sglang_dsv41.tools.smoke import MAX_METRICS_BYTES, HttpFailure, call_within, fetch, fetch_json, tiny_png
 
 VOCABULARY = ("river stone market ledger signal harbor copper lantern orchard quartz "
               "meadow engine violet summit canyon ember glacier falcon prairie tunnel").split()
@@ -60,27 +59,21 @@ def _ttft(url: str, text: str, timeout: float) -> float:
     """Seconds to the first streamed line of a one-token request; the whole wait is bounded."""
     payload = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 1},
                "stream": True}
-    outcome: dict = {}
 
-    def first_line() -> None:
+    def first_line() -> float:
         start = time.perf_counter()
-        try:
-            request = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                while line := response.readline(1 << 16):
-                    if line.strip():
-                        outcome["ttft"] = time.perf_counter() - start
-                        return
-        except Exception as exc:  # whatever the server made the client raise
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        request = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            while line := response.readline(1 << 16):
+                if line.strip():
+                    return time.perf_counter() - start
+        raise RequestError("the stream was empty")
 
-    reader = threading.Thread(target=first_line, name="verify-ttft", daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if "ttft" in outcome:
-        return outcome["ttft"]
-    why = outcome.get("error") or ("no token within the timeout" if reader.is_alive() else "the stream was empty")
+    try:
+        return call_within(timeout, first_line, RequestError("no token within the timeout"), "verify-ttft")
+    except Exception as exc:  # whatever the server made the client raise, or RequestError
+        why = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
     raise RequestError(f"{url}/generate (streamed): {why}")
 
 
