@@ -32,6 +32,7 @@ class Case:
     message: str  # a substring of one output line
     stdin: bytes | None = None
     env: dict[str, str] = field(default_factory=dict)
+    stdin_closed: bool = False  # run as `plan ... <&-`
 
 
 def _yaml(text: str) -> str:
@@ -125,6 +126,15 @@ CASES: dict[str, Case] = {
                                                  "still refers to ${IMG}; give plan the output of"),
     "compose config on stdin, garbage": Case({}, ["--from-compose-config", "-"], 2, "<stdin>: not UTF-8 text",
                                              stdin=b"\x80\x81"),
+    "compose config on stdin, empty": Case({}, ["--from-compose-config", "-"], 2,
+                                           "plan: cannot read --from-compose-config -: stdin is empty; "
+                                           "pipe `docker compose config` into it", stdin=b""),
+    "compose config on stdin, closed": Case({}, ["--from-compose-config", "-"], 2,
+                                            "plan: cannot read --from-compose-config -: stdin is closed; "
+                                            "pipe `docker compose config` into it", stdin_closed=True),
+    "compose config on stdin, twice": Case({}, ["--from-compose-config", "-", "--from-compose-config", "-"], 2,
+                                           "--from-compose-config -: given twice",
+                                           stdin=b"name: p\nservices: {}\n"),
     "compose config without a name": Case({"c.json": '{"services": {}}'}, ["--from-compose-config", "c.json"], 2,
                                           "no top-level name: this is not `docker compose config` output"),
     # ---- problems found before any resolution: exit 1, still without importing sglang

@@ -3,6 +3,8 @@ where they are addressed, what they get, and one line for what it cannot read.""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -60,6 +62,10 @@ def test_the_common_flags_are_the_compose_topologies_own():
     assert (K8S / "base" / "sglang-common.yaml").read_text() == \
         (REPO_ROOT / "deploy" / "b300-ds41" / "base" / "sglang-common.yaml").read_text()
 
+# The prefill role's server container, and the path plan names its pod spec by.
+SERVER_SPEC = "        containers:\n          - name: s\n"
+SERVER_POD = "spec.roles[0].standalonePattern.template.spec"
+
 
 def test_replicas_names_variables_gpus_and_dependencies(tmp_path):
     path = tmp_path / "rbg.yaml"
@@ -93,6 +99,20 @@ def test_a_config_map_mounted_as_files_is_readable(tmp_path):
     (_rbg(ROLES.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 300000000")), "is not a GPU count a pod can get"),
     (_rbg(ROLES.replace("standalonePattern", "customComponentsPattern", 1)), "exactly one of"),
     ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", "no workload"),
+    # a field of another type than the API's: named by its path, with the type it must have
+    (_rbg(ROLES.replace(SERVER_SPEC, "        nodeSelector: [gpu-node-a]\n" + SERVER_SPEC)),
+     f"RoleBasedGroup g: {SERVER_POD}.nodeSelector must be a mapping, not a list"),
+    (_rbg(ROLES.replace(SERVER_SPEC, SERVER_SPEC + "            readinessProbe: {periodSeconds: 30s}\n")),
+     f"{SERVER_POD}.containers[0].readinessProbe.periodSeconds must be a whole number, not a string ('30s')"),
+    (_rbg(ROLES.replace('env: [{name: TP, value: "4"}, {name: CUDA_VISIBLE_DEVICES, value: "1,3"}]',
+                        'env: {TP: "4"}')),
+     f"{SERVER_POD}.containers[0].env must be a list, not a mapping"),
+    (_rbg(ROLES.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 1.5")),
+     f"{SERVER_POD}.containers[0].resources.limits.nvidia.com/gpu must be a whole number, not a number (1.5)"),
+    (_rbg(ROLES.replace(SERVER_SPEC, "        hostIPC: 'yes'\n" + SERVER_SPEC)),
+     f"{SERVER_POD}.hostIPC must be true or false, not a string ('yes')"),
+    (_rbg(ROLES.replace("dependencies: [prefill]", "dependencies: prefill")),
+     "spec.roles[1].dependencies must be a list, not a string ('prefill')"),
     ("apiVersion: v1\nkind: [\n", "not valid YAML"),
 ])
 def test_what_the_reader_cannot_read_is_one_line(tmp_path, text, reason):
@@ -112,3 +132,23 @@ def test_the_command_line_answers_an_unknown_kind_with_one_line_and_exit_2(tmp_p
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is not a kind plan reads" in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("field, expected", [
+    ("nodeSelector: [gpu-node-a]", f"{SERVER_POD}.nodeSelector must be a mapping, not a list"),
+    ("hostIPC: 'false'", f"{SERVER_POD}.hostIPC must be true or false"),
+])
+def test_the_command_line_names_a_field_of_the_wrong_type_before_loading_sglang(tmp_path, field, expected):
+    """A server the checks after sglang's resolution would trip over: refused while reading."""
+    path = tmp_path / "m.yaml"
+    path.write_text(_rbg(ROLES.replace(SERVER_SPEC, f"        {field}\n" + SERVER_SPEC)))
+    script = Path(sys.executable).parent / "sglang-dsv41"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    done = subprocess.run([str(script), "plan", str(path)], capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert done.returncode == 2, done.stdout + done.stderr[-2000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("plan: cannot read m.yaml: RoleBasedGroup g: ") \
+        and expected in lines[0], lines
+    assert "Traceback" not in done.stderr
+    assert not re.search(r"\|\s*sglang(\.\S+)?\s*$", done.stderr, re.M), "sglang was imported"

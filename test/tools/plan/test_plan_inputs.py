@@ -40,7 +40,9 @@ def run_plan(tmp_path: Path, case: Case) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SGLANG_"))}
     env.update(case.env)
     env["PYTHONPROFILEIMPORTTIME"] = "1"
-    return subprocess.run(_plan_command() + case.args, cwd=tmp_path, env=env, input=case.stdin or b"",
+    # fd 0 closed in the child only, after subprocess has set up its pipes
+    stdin = {"preexec_fn": lambda: os.close(0)} if case.stdin_closed else {"input": case.stdin or b""}
+    return subprocess.run(_plan_command() + case.args, cwd=tmp_path, env=env, **stdin,
                           capture_output=True, timeout=TIMEOUT_S)
 
 
@@ -62,3 +64,19 @@ def test_bad_input_gets_one_line_and_the_right_status(tmp_path, name):
     # Decided before sglang is imported: bad input fails fast.
     imported = [ln for ln in err.splitlines() if _SGLANG_IMPORT.search(ln)]
     assert not imported, f"sglang was imported for this case: {imported[:3]}"
+
+
+@pytest.mark.timeout(TIMEOUT_S + 15)
+def test_stdin_from_a_terminal_is_refused_instead_of_waiting(tmp_path):
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(_plan_command() + ["--from-compose-config", "-"], cwd=tmp_path, stdin=follower,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == ("plan: cannot read --from-compose-config -: stdin is a terminal; "
+                                   "pipe `docker compose config` into it")

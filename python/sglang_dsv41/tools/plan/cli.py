@@ -198,6 +198,8 @@ def read_projects(compose_files: list[str], profiles: list[str] | None = None,
             projects.append(_guarded(path, lambda: load_project_with_compose(compose, path, profiles=profiles)))
         else:
             projects.append(_guarded(path, lambda: load_project(path, profiles=profiles)))
+    if list(compose_configs).count("-") > 1:  # the second read would find stdin already drained
+        raise ComposeError("--from-compose-config -: given twice; stdin holds one `docker compose config` output")
     for source in compose_configs:
         projects.append(_guarded(source, lambda: load_compose_config(source)))
     seen: dict[Path, Project] = {}

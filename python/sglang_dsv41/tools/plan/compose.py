@@ -452,7 +452,8 @@ def _interpolate_tree(node: Any, lookup, where: str, budget: _Budget) -> Any:
 # --------------------------------------------------------------------------- typed access
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """What a YAML value is, as an error message names it ("a list", "a string", ...)."""
     if value is None:
         return "empty"
     if isinstance(value, bool):
@@ -472,7 +473,7 @@ def _mapping(value: Any, where: str, what: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ComposeError(f"{where}: {what} must be a mapping, not {_kind(value)}")
+        raise ComposeError(f"{where}: {what} must be a mapping, not {kind_of(value)}")
     return value
 
 
@@ -480,7 +481,7 @@ def _list(value: Any, where: str, what: str) -> list:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise ComposeError(f"{where}: {what} must be a list, not {_kind(value)}")
+        raise ComposeError(f"{where}: {what} must be a list, not {kind_of(value)}")
     return value
 
 
@@ -488,7 +489,7 @@ def _string(value: Any, where: str, what: str, optional: bool = True) -> str | N
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ComposeError(f"{where}: {what} must be a string, not {_kind(value)}")
+        raise ComposeError(f"{where}: {what} must be a string, not {kind_of(value)}")
     return str(value)
 
 
@@ -502,7 +503,7 @@ def _scalar_text(value: Any, where: str = "", what: str = "a value") -> str | No
         return str(value)
     if isinstance(value, (datetime.date, datetime.datetime)):
         return value.isoformat()
-    raise ComposeError(f"{where}: {what} must be a string, number or boolean, not {_kind(value)}")
+    raise ComposeError(f"{where}: {what} must be a string, number or boolean, not {kind_of(value)}")
 
 
 def _key_text(key: Any, where: str) -> str:
@@ -523,7 +524,7 @@ def _as_mapping(value: Any, where: str, what: str = "the value") -> dict[str, st
             key, sep, val = (text or "").partition("=")
             result[key] = val if sep else None
         return result
-    raise ComposeError(f"{where}: {what} must be a list or a mapping, not {_kind(value)}")
+    raise ComposeError(f"{where}: {what} must be a list or a mapping, not {kind_of(value)}")
 
 
 def _volume_target(entry: Any) -> str:
@@ -585,7 +586,7 @@ def _absolute_binds(service: dict, base_dir: Path, where: str) -> dict:
                 parts[0] = str(_host_path(parts[0], base_dir, where))
                 entry = ":".join(parts)
         else:
-            raise ComposeError(f"{where}: a volume must be a string or a mapping, not {_kind(entry)}")
+            raise ComposeError(f"{where}: a volume must be a string or a mapping, not {kind_of(entry)}")
         fixed.append(entry)
     return {**service, "volumes": fixed}
 
@@ -635,7 +636,7 @@ class _Loader:
         shown = _display(path)
         tree = parse_yaml(read_text(path, "compose file"), shown)
         if not isinstance(tree, dict):
-            raise ComposeError(f"{shown}: a compose file is a mapping at the top level, not {_kind(tree)}")
+            raise ComposeError(f"{shown}: a compose file is a mapping at the top level, not {kind_of(tree)}")
         tree = {_key_text(k, shown): v for k, v in tree.items()}
         tree = _interpolate_tree(tree, self.lookup, path.name, self.budget)
         services: dict[str, dict] = {}
@@ -724,7 +725,7 @@ def _service_entries(tree: dict, shown: str):
             raise ComposeError(f"{shown}: {_show(name)} is not a valid service name")
         where = f"{shown}: service {name}"
         if not isinstance(body, dict):
-            raise ComposeError(f"{where}: a service must be a mapping, not {_kind(body)}")
+            raise ComposeError(f"{where}: a service must be a mapping, not {kind_of(body)}")
         yield name, where, {_key_text(k, where): v for k, v in body.items()}
 
 
@@ -806,8 +807,7 @@ def load_compose_config(source: str, stdin=None) -> Project:
     compose has already applied interpolation, ``.env``, extends, includes and
     profiles; only ``$$`` escapes remain to undo."""
     if source == "-":
-        stream = stdin if stdin is not None else sys.stdin.buffer
-        text = decode_text(stream.read(MAX_FILE_BYTES + 1), "<stdin>")
+        text = decode_text(_read_stdin(stdin if stdin is not None else sys.stdin), "<stdin>")
         path = Path.cwd() / "compose-config.stdin"
         shown = "<stdin>"
     else:
@@ -820,6 +820,24 @@ def load_compose_config(source: str, stdin=None) -> Project:
         raise ComposeError(f"{shown}: nested too deeply to read") from None
 
 
+def _read_stdin(stream) -> bytes:
+    """What was piped in; a closed, empty or interactive stdin is a usage mistake, said plainly."""
+    def refuse(why: str) -> ComposeError:
+        return ComposeError(f"--from-compose-config -: stdin {why}; pipe `docker compose config` into it")
+
+    if stream is None:  # Python sets sys.stdin to None when fd 0 is closed
+        raise refuse("is closed")
+    if stream.isatty():  # would sit waiting for typed input
+        raise refuse("is a terminal")
+    try:
+        data = getattr(stream, "buffer", stream).read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror or exc})") from None
+    if not data.strip():
+        raise refuse("is empty")
+    return data
+
+
 def _load_compose_config(text: str, path: Path, shown: str) -> Project:
     return compose_config_project(parse_yaml(text, shown), path, shown)
 
@@ -828,7 +846,7 @@ def compose_config_project(tree: Any, path: Path, shown: str) -> Project:
     """A project from the parsed output of ``docker compose config``."""
     budget = _Budget()
     if not isinstance(tree, dict):
-        raise ComposeError(f"{shown}: the output of docker compose config is a mapping, not {_kind(tree)}")
+        raise ComposeError(f"{shown}: the output of docker compose config is a mapping, not {kind_of(tree)}")
 
     def lookup(name: str) -> str | None:
         raise ComposeError(f"{shown}: still refers to ${{{name}}}; give plan the output of "
@@ -862,7 +880,7 @@ def _command(value: Any, where: str, what: str) -> list[str]:
             raise ComposeError(f"{where}: cannot split the {what}: {exc}") from None
     if isinstance(value, list):
         return [_scalar_text(v, where, f"an item of {what}") or "" for v in value]
-    raise ComposeError(f"{where}: {what} must be a string or a list, not {_kind(value)}")
+    raise ComposeError(f"{where}: {what} must be a string or a list, not {kind_of(value)}")
 
 
 def _service(name: str, compose_file: Path, body: dict, lookup, where: str, project: str,
@@ -955,7 +973,7 @@ def _depends_on(spec: Any, where: str) -> tuple[dict[str, str], set[str]]:
             if options.get("required") is False:
                 optional.add(name)
         return deps, optional
-    raise ComposeError(f"{where}: depends_on must be a list or a mapping, not {_kind(spec)}")
+    raise ComposeError(f"{where}: depends_on must be a list or a mapping, not {kind_of(spec)}")
 
 
 def _binds(volumes: Any, where: str) -> list[BindMount]:
@@ -969,7 +987,7 @@ def _binds(volumes: Any, where: str) -> list[BindMount]:
             binds.append(BindMount(Path(source), target, bool(entry.get("read_only"))))
             continue
         if not isinstance(entry, str):
-            raise ComposeError(f"{where}: a volume must be a string or a mapping, not {_kind(entry)}")
+            raise ComposeError(f"{where}: a volume must be a string or a mapping, not {kind_of(entry)}")
         parts = entry.split(":")
         if len(parts) < 2 or not _looks_like_path(parts[0]):
             continue  # a named or anonymous volume
@@ -998,7 +1016,7 @@ def _ports(entries: Any, where: str, budget: _Budget | None = None) -> list[Publ
             host = _port_range(parts[-2], where) if parts[-2] else []
             target = _port_range(parts[-1], where)
         else:
-            raise ComposeError(f"{where}: a port must be a string, a number or a mapping, not {_kind(entry)}")
+            raise ComposeError(f"{where}: a port must be a string, a number or a mapping, not {kind_of(entry)}")
         if len(host) == 1 and len(target) > 1:
             raise ComposeError(f"{where}: port mapping {_show(entry)} maps a range onto one port")
         if len(host) > 1 and len(target) not in (1, len(host)):
@@ -1045,7 +1063,7 @@ def _gpus(body: dict, environment: dict[str, str], where: str) -> GpuReservation
     requests: list[tuple[dict, str]] = []
     for device in _list(reservations.get("devices"), where, "deploy.resources.reservations.devices"):
         if not isinstance(device, dict):
-            raise ComposeError(f"{where}: a reserved device must be a mapping, not {_kind(device)}")
+            raise ComposeError(f"{where}: a reserved device must be a mapping, not {kind_of(device)}")
         capabilities = {_scalar_text(c, where, "a capability")
                         for c in _list(device.get("capabilities"), where, "device capabilities")}
         driver = _string(device.get("driver"), where, "a device driver")
@@ -1060,7 +1078,7 @@ def _gpus(body: dict, environment: dict[str, str], where: str) -> GpuReservation
         else:
             for item in _list(gpus, where, "gpus (\"all\" or a list)"):
                 if not isinstance(item, dict):
-                    raise ComposeError(f"{where}: an item of gpus must be a mapping, not {_kind(item)}")
+                    raise ComposeError(f"{where}: an item of gpus must be a mapping, not {kind_of(item)}")
                 requests.append((item, "gpus.device_ids"))
     for device, kind in requests:
         declared = True

@@ -29,6 +29,7 @@ from sglang_dsv41.tools.plan.compose import (
     GpuReservation,
     Project,
     Service,
+    kind_of,
     read_text,
 )
 
@@ -37,6 +38,7 @@ KUSTOMIZATION = "kustomization.yaml"
 RBG_API = "workloads.x-k8s.io/v1alpha2"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 GPU_RESOURCE = "nvidia.com/gpu"
+MAX_POD_GPUS = 1024  # far above any node; a count past it is a typo, not a reservation
 # Objects a deployment carries beside its workloads; read for what they hold or
 # accepted as they are (none of them changes what a server runs).
 PASSIVE = {("v1", "Service"), ("v1", "PersistentVolumeClaim"), ("v1", "Secret"), ("v1", "ServiceAccount"),
@@ -102,7 +104,11 @@ def load_manifests(path: str | Path) -> Project:
                                f"({', '.join(f'{a} {k}' for a, k in sorted(WORKLOADS))}; also "
                                f"{', '.join(known)})")
         objects.append(doc)
-    reader = _Reader(source, {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"})
+    reader = _Reader(source, {})
+    for obj in objects:
+        if obj["kind"] == "ConfigMap":
+            reader.context = f"ConfigMap {obj['metadata']['name']}"
+            reader.config_maps[obj["metadata"]["name"]] = reader.typed(obj, "data", "a mapping", "", {})
     services: list[Service] = []
     for obj in objects:
         if (obj["apiVersion"], obj["kind"]) in WORKLOADS:
@@ -126,6 +132,18 @@ def _get(node: Any, *keys: str) -> Any:
     return node
 
 
+# The types plan reads a manifest's fields as (what the Kubernetes API itself would insist on).
+_EXPECTED = {
+    "a mapping": lambda v: isinstance(v, dict),
+    "a list": lambda v: isinstance(v, list),
+    "a string": lambda v: isinstance(v, str),
+    "a whole number": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "true or false": lambda v: isinstance(v, bool),
+}
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+PROBE_NUMBERS = ("initialDelaySeconds", "periodSeconds", "timeoutSeconds", "successThreshold", "failureThreshold")
+
+
 class _Reader:
     def __init__(self, source: Path, config_maps: dict[str, dict]):
         self.source = source
@@ -133,29 +151,55 @@ class _Reader:
         self.config_maps = config_maps
         self._files: Path | None = None
         self.kind = ""
+        self.context = ""  # the object being read, e.g. "RoleBasedGroup g", for type errors
+
+    def typed(self, node: dict, key: str, expected: str, path: str, default: Any = None) -> Any:
+        """node[key] when it has the expected type (default when absent or null); otherwise one line
+        naming the field by its path, so odd input never reaches a check that would trip over it."""
+        value = node.get(key)
+        if value is None:
+            return default
+        if _EXPECTED[expected](value):
+            return value
+        raise self.wrong_type(f"{path}.{key}" if path else key, expected, value)
+
+    def wrong_type(self, field: str, expected: str, value: Any) -> ComposeError:
+        shown = f" ({value!r:.40})" if isinstance(value, (str, int, float)) else ""
+        return ComposeError(f"{self.shown}: {self.context}: {field} must be {expected}, not {kind_of(value)}{shown}")
+
+    def mappings(self, node: dict, key: str, path: str) -> list[tuple[str, dict]]:
+        """A list of mappings (env, volumes, ...), each with its path."""
+        items = []
+        for n, item in enumerate(self.typed(node, key, "a list", path, [])):
+            at = f"{path}.{key}[{n}]" if path else f"{key}[{n}]"
+            if not isinstance(item, dict):
+                raise self.wrong_type(at, "a mapping", item)
+            items.append((at, item))
+        return items
 
     # ----------------------------------------------------------------- workloads
 
     def workload(self, obj: dict) -> list[Service]:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        self.kind = kind
-        spec = obj.get("spec") or {}
+        self.kind, self.context = kind, f"{kind} {name}"
+        spec = self.typed(obj, "spec", "a mapping", "", {})
         if kind == "RoleBasedGroup":
             return self._rbg(name, spec)
         if kind == "Deployment":
             replicas = self._replicas(spec, f"Deployment {name}")
-            template = self._template(spec.get("template"), f"Deployment {name}")
-            return [self._pod(f"{name}-{i}", template, {"DEPLOYMENT": name},
+            template = self._template(spec, "spec", f"Deployment {name}")
+            return [self._pod(f"{name}-{i}", template, "spec.template", {"DEPLOYMENT": name},
                               aliases=(name,) if replicas == 1 else (), role=name, restart=None)
                     for i in range(replicas)]
         replicas = self._replicas(spec, f"LeaderWorkerSet {name}")
-        group = spec.get("leaderWorkerTemplate") or {}
-        size = int(group.get("size") or 1)
-        template = self._template(group.get("leaderTemplate") or group.get("workerTemplate"),
-                                  f"LeaderWorkerSet {name}")
-        restart = group.get("restartPolicy")
-        return [self._pod(f"{name}-{i}", template, {"LWS_LEADER_ADDRESS": f"{name}-{i}.{name}",
-                                                    "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": "0"},
+        group = self.typed(spec, "leaderWorkerTemplate", "a mapping", "spec", {})
+        size = self.typed(group, "size", "a whole number", "spec.leaderWorkerTemplate") or 1
+        which = "leaderTemplate" if group.get("leaderTemplate") else "workerTemplate"
+        template = self._template(group, "spec.leaderWorkerTemplate", f"LeaderWorkerSet {name}", which)
+        restart = self.typed(group, "restartPolicy", "a string", "spec.leaderWorkerTemplate")
+        return [self._pod(f"{name}-{i}", template, f"spec.leaderWorkerTemplate.{which}",
+                          {"LWS_LEADER_ADDRESS": f"{name}-{i}.{name}",
+                           "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": "0"},
                           aliases=(f"{name}-{i}.{name}",), role=name, restart=restart, group_size=size)
                 for i in range(replicas)]
 
@@ -166,9 +210,10 @@ class _Reader:
         role_names = [r.get("name") for r in roles if isinstance(r, dict)]
         pods: list[Service] = []
         by_role: dict[str, list[str]] = {}
-        for role in roles:
+        for n, role in enumerate(roles):
             rname = role.get("name") if isinstance(role, dict) else None
             where = f"RoleBasedGroup {group} role {rname}"
+            at = f"spec.roles[{n}]"
             if not isinstance(rname, str) or not rname:
                 raise ComposeError(f"{self.shown}: RoleBasedGroup {group}: a role without a name")
             replicas = self._replicas(role, where)
@@ -177,12 +222,19 @@ class _Reader:
             if len(patterns) != 1 or patterns[0] == "customComponentsPattern":
                 raise ComposeError(f"{self.shown}: {where}: plan reads roles with exactly one of "
                                    "standalonePattern or leaderWorkerPattern")
-            pattern = role[patterns[0]] or {}
-            size = int(pattern.get("size") or 1) if patterns[0] == "leaderWorkerPattern" else 1
-            template = self._template(pattern.get("template"), where)
-            for dep in role.get("dependencies") or []:
+            pattern = self.typed(role, patterns[0], "a mapping", at, {})
+            at_pattern = f"{at}.{patterns[0]}"
+            size = 1
+            if patterns[0] == "leaderWorkerPattern":
+                size = self.typed(pattern, "size", "a whole number", at_pattern) or 1
+            template = self._template(pattern, at_pattern, where)
+            dependencies = self.typed(role, "dependencies", "a list", at, [])
+            for dep in dependencies:
                 if dep not in role_names:
                     raise ComposeError(f"{self.shown}: {where} depends on role {dep}, which the group lacks")
+            restart = (self.typed(role, "restartPolicy", "a string", at)
+                       or self.typed(self.typed(pattern, "restartPolicy", "a mapping", at_pattern, {}), "type",
+                                     "a string", f"{at_pattern}.restartPolicy"))
             by_role[rname] = []
             for i in range(replicas):
                 pod = f"{group}-{rname}-{i}"
@@ -190,10 +242,9 @@ class _Reader:
                 env = {"RBG_GROUP_NAME": group, "RBG_ROLE_NAME": rname, "RBG_ROLE_INDEX": str(i),
                        "RBG_LWP_LEADER_ADDRESS": address, "RBG_LWP_GROUP_SIZE": str(size),
                        "RBG_LWP_WORKER_INDEX": "0"}
-                service = self._pod(f"{rname}-{i}", template, env, aliases=(address,), role=rname,
-                                    restart=role.get("restartPolicy") or (pattern.get("restartPolicy") or {}).get("type"),
-                                    group_size=size)
-                service.raw["dependencies"] = list(role.get("dependencies") or [])
+                service = self._pod(f"{rname}-{i}", template, f"{at_pattern}.template", env, aliases=(address,),
+                                    role=rname, restart=restart, group_size=size)
+                service.raw["dependencies"] = list(dependencies)
                 pods.append(service)
                 by_role[rname].append(service.name)
         for service in pods:
@@ -208,87 +259,106 @@ class _Reader:
             raise ComposeError(f"{self.shown}: {where}: replicas must be a whole number 0-256, not {replicas!r}")
         return replicas
 
-    def _template(self, template: Any, where: str) -> dict:
-        spec = _get(template, "spec")
-        if not isinstance(spec, dict) or not isinstance(spec.get("containers"), list) or not spec["containers"]:
+    def _template(self, parent: dict, path: str, where: str, key: str = "template") -> dict:
+        template = self.typed(parent, key, "a mapping", path, {})
+        spec = self.typed(template, "spec", "a mapping", f"{path}.{key}", {})
+        if not self.typed(spec, "containers", "a list", f"{path}.{key}.spec"):
             raise ComposeError(f"{self.shown}: {where}: a pod template with containers is required")
         return template
 
     # ----------------------------------------------------------------- one pod
 
-    def _pod(self, name: str, template: dict, injected: dict[str, str], *, aliases: tuple[str, ...],
+    def _pod(self, name: str, template: dict, path: str, injected: dict[str, str], *, aliases: tuple[str, ...],
              role: str, restart: str | None, group_size: int = 1) -> Service:
         spec = template["spec"]
-        containers = spec["containers"]
+        at_spec = f"{path}.spec"
+        containers = self.mappings(spec, "containers", at_spec)
         if len(containers) != 1:
             raise ComposeError(f"{self.shown}: pod {name}: plan reads pods of one container "
                                f"(this one has {len(containers)})")
-        container = containers[0]
+        at, container = containers[0]
         where = f"{self.shown}: pod {name}"
         environment = dict(injected)
-        for ref in container.get("envFrom") or []:
+        for _, ref in self.mappings(container, "envFrom", at):
             cm = _get(ref, "configMapRef", "name")
-            if cm is None or cm not in self.config_maps:
+            if not isinstance(cm, str) or cm not in self.config_maps:
                 raise ComposeError(f"{where}: envFrom names no ConfigMap of this manifest ({ref!r})")
-            environment.update({str(k): str(v) for k, v in (self.config_maps[cm].get("data") or {}).items()})
-        for item in container.get("env") or []:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            environment.update({str(k): str(v) for k, v in self.config_maps[cm].items()})
+        for _, item in self.mappings(container, "env", at):
+            if not isinstance(item.get("name"), str):
                 raise ComposeError(f"{where}: an env entry without a name")
             if "value" in item:
                 environment[item["name"]] = _VAR.sub(lambda m: environment.get(m.group(1), m.group(0)),
                                                      str(item["value"]))
             else:  # valueFrom: known only in the cluster
                 environment[item["name"]] = f"$({item['name']})"
-        argv = [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+        argv = [str(t) for t in self.typed(container, "command", "a list", at, [])
+                + self.typed(container, "args", "a list", at, [])]
         argv = [_VAR.sub(lambda m: environment.get(m.group(1), m.group(0)), t) for t in argv]
-        labels = {str(k): str(v) for k, v in (_get(template, "metadata", "labels") or {}).items()}
+        metadata = self.typed(template, "metadata", "a mapping", path, {})
+        labels = {str(k): str(v) for k, v in self.typed(metadata, "labels", "a mapping", f"{path}.metadata",
+                                                         {}).items()}
         labels[HOST_LABEL] = CLUSTER_HOST
         labels[MANIFEST_LABEL] = role
-        limits = _get(container, "resources", "limits") or {}
-        requests = _get(container, "resources", "requests") or {}
-        raw = {"pod": name, "role": role, "kind": self.kind, "node_selector": spec.get("nodeSelector") or {}, "restart": restart, "group_size": group_size,
-               "probes": {k: container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")},
-               "resources": {**requests, **limits}, "volumes": spec.get("volumes") or [],
-               "mounts": container.get("volumeMounts") or [], "host_ipc": bool(spec.get("hostIPC"))}
+        resources = self.typed(container, "resources", "a mapping", at, {})
+        limits = self.typed(resources, "limits", "a mapping", f"{at}.resources", {})
+        requests = self.typed(resources, "requests", "a mapping", f"{at}.resources", {})
+        probes = {}
+        for key in PROBES:  # the probe rules do arithmetic on these numbers
+            probes[key] = self.typed(container, key, "a mapping", at)
+            for number in PROBE_NUMBERS if probes[key] else ():
+                self.typed(probes[key], number, "a whole number", f"{at}.{key}")
+        host = {key: self.typed(spec, key, "true or false", at_spec, False)
+                for key in ("hostNetwork", "hostPID", "hostIPC")}
+        raw = {"pod": name, "role": role, "kind": self.kind,
+               "node_selector": self.typed(spec, "nodeSelector", "a mapping", at_spec, {}),
+               "restart": restart, "group_size": group_size, "probes": probes,
+               "resources": {**requests, **limits}, "volumes": [v for _, v in self.mappings(spec, "volumes", at_spec)],
+               "mounts": [m for _, m in self.mappings(container, "volumeMounts", at)], "host_ipc": host["hostIPC"]}
         return Service(
             name=name,
             compose_file=self.source,
-            image=container.get("image"),
+            image=self.typed(container, "image", "a string", at),
             argv=argv,
             environment=environment,
-            network_mode="host" if spec.get("hostNetwork") else None,
+            network_mode="host" if host["hostNetwork"] else None,
             published_ports=[],
-            binds=self._binds(name, spec, container),
+            binds=self._binds(name, spec, at_spec, container, at),
             depends_on={},
-            healthcheck=_healthcheck(container.get("readinessProbe")),
+            healthcheck=_healthcheck(probes["readinessProbe"]),
             labels=labels,
             container_name=aliases[0] if aliases else None,
-            gpu_reservation=_gpus(f"{self.shown}/{name}", limits, environment, where),
+            gpu_reservation=self._gpus(f"{self.shown}/{name}", limits, f"{at}.resources.limits", environment, where),
             raw=raw,
             project="",
-            pid="host" if spec.get("hostPID") else None,
-            ipc="host" if spec.get("hostIPC") else None,
+            pid="host" if host["hostPID"] else None,
+            ipc="host" if host["hostIPC"] else None,
         )
 
-    def _binds(self, pod: str, spec: dict, container: dict) -> list[BindMount]:
-        volumes = {v.get("name"): v for v in spec.get("volumes") or [] if isinstance(v, dict)}
+    def _binds(self, pod: str, spec: dict, at_spec: str, container: dict, at: str) -> list[BindMount]:
+        volumes = {self.typed(v, "name", "a string", v_at): (v_at, v)
+                   for v_at, v in self.mappings(spec, "volumes", at_spec)}
         binds = []
-        for mount in container.get("volumeMounts") or []:
-            volume = volumes.get(mount.get("name"))
+        for m_at, mount in self.mappings(container, "volumeMounts", at):
+            v_at, volume = volumes.get(self.typed(mount, "name", "a string", m_at), ("", None))
             target = mount.get("mountPath")
             if volume is None or not isinstance(target, str):
                 raise ComposeError(f"{self.shown}: pod {pod}: volumeMount {mount.get('name')!r} names no volume")
             if "configMap" in volume:
-                source = self._config_map_dir(volume["configMap"].get("name"), pod)
+                config_map = self.typed(volume, "configMap", "a mapping", v_at, {})
+                source = self._config_map_dir(self.typed(config_map, "name", "a string", f"{v_at}.configMap"), pod)
             elif "hostPath" in volume:
-                source = Path(volume["hostPath"].get("path") or "/")
+                host_path = self.typed(volume, "hostPath", "a mapping", v_at, {})
+                source = Path(self.typed(host_path, "path", "a string", f"{v_at}.hostPath") or "/")
             elif "persistentVolumeClaim" in volume:
-                source = Path("/persistentVolumeClaim") / str(volume["persistentVolumeClaim"].get("claimName"))
+                claim = self.typed(volume, "persistentVolumeClaim", "a mapping", v_at, {})
+                source = Path("/persistentVolumeClaim") / str(claim.get("claimName"))
             else:
                 continue  # emptyDir and the like: nothing plan reads from them
-            if mount.get("subPath"):
-                source = source / mount["subPath"]
-            binds.append(BindMount(source, target, bool(mount.get("readOnly"))))
+            sub_path = self.typed(mount, "subPath", "a string", m_at)
+            if sub_path:
+                source = source / sub_path
+            binds.append(BindMount(source, target, self.typed(mount, "readOnly", "true or false", m_at, False)))
         return binds
 
     def _config_map_dir(self, name: str, pod: str) -> Path:
@@ -300,11 +370,34 @@ class _Reader:
         folder = self._files / name
         if not folder.exists():
             folder.mkdir()
-            for key, value in (self.config_maps[name].get("data") or {}).items():
+            for key, value in self.config_maps[name].items():
+                key = str(key)
                 if "/" in key or key.startswith("."):
                     raise ComposeError(f"{self.shown}: ConfigMap {name} has a key that is no file name: {key!r}")
                 (folder / key).write_text(str(value))
         return folder
+
+    def _gpus(self, pod: str, limits: dict, path: str, environment: dict[str, str], where: str) -> GpuReservation:
+        raw = limits.get(GPU_RESOURCE)
+        if raw is None:
+            return GpuReservation(False, (), "no nvidia.com/gpu limit")
+        try:  # a quantity: 8 or "8"
+            count = int(str(raw))
+        except ValueError:
+            raise self.wrong_type(f"{path}.{GPU_RESOURCE}", "a whole number", raw) from None
+        if not 0 <= count <= MAX_POD_GPUS:  # checked before anything is built for each GPU
+            raise ComposeError(f"{where}: {GPU_RESOURCE}: {count} is not a GPU count a pod can get "
+                               f"(0 to {MAX_POD_GPUS})")
+        ids = [f"{pod}#{i}" for i in range(count)]
+        how = f"{GPU_RESOURCE}: {count}"
+        visible = environment.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            picks = [p.strip() for p in visible.split(",") if p.strip()]
+            if any(not p.isdigit() or int(p) >= count for p in picks):
+                raise ComposeError(f"{where}: CUDA_VISIBLE_DEVICES={visible} names a GPU the pod does not get ({how})")
+            ids = [ids[int(p)] for p in picks]
+            how += " + CUDA_VISIBLE_DEVICES"
+        return GpuReservation(True, tuple(ids), how, (), count)
 
 
 def _healthcheck(probe: Any) -> dict | None:
@@ -319,29 +412,3 @@ def _healthcheck(probe: Any) -> dict | None:
     if isinstance(command, list):
         return {"test": ["CMD"] + [str(c) for c in command]}
     return None
-
-
-MAX_POD_GPUS = 1024  # far above any node; a count past it is a typo, not a reservation
-
-
-def _gpus(pod: str, limits: dict, environment: dict[str, str], where: str) -> GpuReservation:
-    raw = limits.get(GPU_RESOURCE)
-    if raw is None:
-        return GpuReservation(False, (), "no nvidia.com/gpu limit")
-    try:
-        count = int(str(raw))
-    except ValueError:
-        raise ComposeError(f"{where}: {GPU_RESOURCE} must be a whole number, not {raw!r}") from None
-    if not 0 <= count <= MAX_POD_GPUS:  # checked before anything is built for each GPU
-        raise ComposeError(f"{where}: {GPU_RESOURCE}: {count} is not a GPU count a pod can get "
-                           f"(0 to {MAX_POD_GPUS})")
-    ids = [f"{pod}#{i}" for i in range(count)]
-    how = f"{GPU_RESOURCE}: {count}"
-    visible = environment.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        picks = [p.strip() for p in visible.split(",") if p.strip()]
-        if any(not p.isdigit() or int(p) >= count for p in picks):
-            raise ComposeError(f"{where}: CUDA_VISIBLE_DEVICES={visible} names a GPU the pod does not get ({how})")
-        ids = [ids[int(p)] for p in picks]
-        how += " + CUDA_VISIBLE_DEVICES"
-    return GpuReservation(True, tuple(ids), how, (), count)
