@@ -223,8 +223,12 @@ def test_failure_on_any_rank_is_the_same_error_everywhere(group_results, phase):
 def test_manifest_disagreements_are_rejected_everywhere(group_results):
     world, results = group_results
     last = world - 1
-    assert_agreed(results["duplicate-geometry"], world, fault_rank=last, phase="manifest",
-                  fragments=("different geometry",))
+    # A duplicate item of another geometry (on one rank here) reuses its span's encode, as
+    # stock does: a client chooses mm_hashes, so it must not stop the group.
+    reused = results["duplicate-geometry"]
+    assert {r["status"] for r in reused.values()} == {"ok"}, reused
+    assert len({r["digest"] for r in reused.values()}) == 1
+    assert all(r["features_match_reference"] and r["cache_all_valid"] for r in reused.values())
     text = assert_agreed(results["rid-mismatch"], world, fault_rank=0, phase="plan",
                          fragments=(f"group ranks 0 and {last} disagree", "stray"))
     assert "request_ids" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_dsv41.owner_broadcast import protocol
 from sglang_dsv41.owner_broadcast.protocol import (
     Action,
     Manifest,
@@ -325,14 +326,17 @@ def test_cache_validation_serves_valid_and_evicts_wrong_entries():
         assert torch.equal(cache.entries[h], span_for(h, n))
 
 
-def test_duplicate_spans_with_different_geometry_are_rejected():
+def test_duplicate_spans_with_different_geometry_reuse_the_first_encode_as_stock_does():
+    """A client chooses mm_hashes: one hash on two different images must not stop the group."""
     reqs = [
         SpanRequest(content_hash=9, span_len=4, item=(2, 2), duplicates=[(2, 2), (1, 4)]),
     ]
     cache, encoder = DictCache(), Encoder()
-    with pytest.raises(OwnerProtocolError, match=r"different geometry: \(2, 2\) vs \(1, 4\)"):
-        run_preparation(session(), reqs, cache, encoder)
-    assert encoder.calls == [] and cache.entries == {}
+    before = protocol.duplicate_geometry_spans
+    features = run_preparation(session(), reqs, cache, encoder)
+    assert encoder.calls == [[9]] and list(features) == [(9, 4)]
+    assert torch.equal(features[(9, 4)], span_for(9, 4))
+    assert protocol.duplicate_geometry_spans == before + 1
 
 
 def test_duplicate_spans_with_equal_geometry_are_one_span():

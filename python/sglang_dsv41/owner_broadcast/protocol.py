@@ -324,6 +324,31 @@ class _State(enum.Enum):
     DONE = "done"
 
 
+# Spans whose items share a key but not a geometry (each reused; logged on the first).
+duplicate_geometry_spans = 0
+
+
+def _warn_if_duplicates_differ(request: SpanRequest, geometry: Any, signature) -> None:
+    """Items sharing a span's key (content hash, token count) reuse its one encode, as stock
+    sglang's per-image path does, even when their geometry differs: a client may choose
+    ``mm_hashes``, and an error here would take the whole group down on one request's word."""
+    global duplicate_geometry_spans
+    for duplicate in request.duplicates:
+        try:
+            other = canonical_geometry(signature(duplicate, request.span_len))
+        except Exception:  # unreadable is different: it is reused all the same
+            other = None
+        if other != geometry:
+            duplicate_geometry_spans += 1
+            if duplicate_geometry_spans == 1:
+                logger.warning(
+                    "[sglang-dsv41] owner-broadcast: image hash %s (%d tokens) occurs with different "
+                    "geometry (%r vs %r): every item of it gets the first one's embedding, as in stock "
+                    "sglang (a client or router reusing mm_hashes for different images; said once)",
+                    request.content_hash, request.span_len, geometry, other)
+            return
+
+
 # --------------------------------------------------------------------------
 # The session
 
@@ -571,13 +596,7 @@ class OwnerSession:
                 raise ValueError(f"image span {request.key} listed twice")
             seen.add(request.key)
             geometry = canonical_geometry(self.signature(request.item, request.span_len))
-            for duplicate in request.duplicates:
-                other = canonical_geometry(self.signature(duplicate, request.span_len))
-                if other != geometry:
-                    raise ValueError(
-                        f"image hash {request.content_hash} ({request.span_len} tokens) "
-                        f"occurs with different geometry: {geometry!r} vs {other!r}"
-                    )
+            _warn_if_duplicates_differ(request, geometry, self.signature)
             keys.append(
                 SpanManifestKey(
                     content_hash=request.content_hash,
