@@ -65,17 +65,18 @@ def test_plugin_transfer_is_byte_exact_and_host_blocks_precede_status(runs):
     for room in ("A", "B"):
         assert runs["plugin"]["prefill"][f"status_{room}"] == "success"
         assert dec[f"status_{room}"] == "success"
-        assert dec[f"mismatch_{room}"] == []
     assert dec["stray_writes"] == []
     # Room A: the real path. At the moment the Success status is applied, every
     # buffer (KV over the engine, aux and state entry 1 over the side channel)
     # already holds its bytes.
-    assert dec["mismatch_at_status_A"] == []
+    assert dec["mismatch_A"] == dec["mismatch_at_status_A"] == []
     # Room B holds host-block frames back until after the status (negative
-    # control): the snapshot catches exactly the side-channel buffers.
-    assert dec["mismatch_at_status_B"] == ["aux0", "aux1", "state1"]
-    # Per room: one message for the aux buffers, one for the host state entry.
-    assert dec["host_messages_written"] == 4
+    # control): the snapshot catches exactly the side-channel buffers, and the
+    # late frames are dropped, never written: the room is finished, its slots may
+    # be another request's by then.
+    assert dec["mismatch_at_status_B"] == dec["mismatch_B"] == ["aux0", "aux1", "state1"]
+    # Room A: one message for the aux buffers, one for the host state entry.
+    assert dec["host_messages_written"] == 2
 
 
 @pytest.mark.timeout(480)
@@ -108,9 +109,10 @@ def test_side_channel_counters_match_what_moved(runs):
     bytes_per_room = AUX_ITEM_BYTES + STATE_ENTRY_1_BYTES
     assert sent["side_channel_blocks"] == {"sent": 2 * blocks_per_room}
     assert sent["side_channel_bytes"] == {"sent": 2 * bytes_per_room}
-    assert got["side_channel_blocks"] == {"written": 2 * blocks_per_room}
-    assert got["side_channel_bytes"] == {"written": 2 * bytes_per_room}
-    assert got["side_channel_drops"] == {"receive": runs["plugin"]["decode"]["bad_frames_dropped"]}
+    # Room B's two messages arrive after its status (held back on purpose): dropped.
+    assert got["side_channel_blocks"] == {"written": blocks_per_room}
+    assert got["side_channel_bytes"] == {"written": bytes_per_room}
+    assert got["side_channel_drops"] == {"receive": runs["plugin"]["decode"]["bad_frames_dropped"] + 2}
     assert sent["side_channel_drops"] == {}
 
 

@@ -234,6 +234,26 @@ def test_receiver_writes_nothing_when_one_block_is_outside(caplog):
     assert "nothing written" in caplog.text and rx.messages_dropped == 1
 
 
+def test_receiver_writes_only_for_rooms_a_request_still_waits_for():
+    """A late or forged message for a room that is finished, failed, aborted or unknown
+    would land in slots another request may hold by now: dropped, nothing written."""
+    a, pa = _buffer(16)
+    awaited = {7}
+    rx = HostBlockReceiver(RegionTable([(pa, 16)]), HostMemory(), room_awaits_kv=awaited.__contains__)
+    for room in (8, 0):
+        verdict = rx.handle(encode_host_blocks(room, [(pa, b"late")]))
+        assert not verdict.written and "no request here waits for this room" in verdict.reason
+    assert a.raw == bytes(16)
+    assert rx.handle(encode_host_blocks(7, [(pa, b"kept")])).written and a.raw[:4] == b"kept"
+
+    def broken(room):
+        raise KeyError(room)
+
+    rx.room_awaits_kv = broken
+    verdict = rx.handle(encode_host_blocks(7, [(pa, b"gone")]))
+    assert not verdict.written and "cannot look its room up" in verdict.reason and a.raw[:4] == b"kept"
+
+
 def test_receiver_reports_a_failing_write_and_keeps_going():
     class Failing(HostMemory):
         def write(self, dst, payload, offset, length):

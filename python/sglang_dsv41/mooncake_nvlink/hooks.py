@@ -170,12 +170,20 @@ def _published_regions(manager) -> RegionTable:
     return RegionTable(regions)
 
 
+def _room_awaits_kv(manager, room: int) -> bool:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = manager.request_status.get(room)  # one read: the decode may clear it meanwhile
+    return status is not None and status not in (KVPoll.Success, KVPoll.Failed)
+
+
 def _receiver_for(manager) -> HostBlockReceiver:
     receiver = manager.__dict__.get(_RECEIVER_ATTR)
     if receiver is None:
         state = routing_state(manager)
         memory = state.memory if state is not None else _memory_for(manager, strict=False)
-        receiver = HostBlockReceiver(_published_regions(manager), memory, logger)
+        receiver = HostBlockReceiver(_published_regions(manager), memory, logger,
+                                     room_awaits_kv=lambda room: _room_awaits_kv(manager, room))
         manager.__dict__[_RECEIVER_ATTR] = receiver
     return receiver
 

@@ -508,10 +508,15 @@ class HostBlockReceiver:
     ``Exception``: the decode thread that calls it must keep serving.
     """
 
-    def __init__(self, regions: RegionTable, memory: MemoryAccess, log: logging.Logger = logger):
+    def __init__(self, regions: RegionTable, memory: MemoryAccess, log: logging.Logger = logger,
+                 room_awaits_kv: Optional[Callable[[int], bool]] = None):
+        """``room_awaits_kv(room)``: whether a request here still waits for that room's KV; a
+        message for any other room (unknown, finished, failed, aborted: its slots may hold
+        another request's data by now) is dropped. None: every room is taken (tests)."""
         self.regions = regions
         self.memory = memory
         self.log = log
+        self.room_awaits_kv = room_awaits_kv
         self.messages_written = 0
         self.messages_dropped = 0
 
@@ -536,6 +541,13 @@ class HostBlockReceiver:
             return self._drop(None, f"malformed: {exc}")
         except Exception as exc:  # frames that are not even bytes
             return self._drop(None, f"malformed: {type(exc).__name__}: {exc}")
+        try:
+            awaited = self.room_awaits_kv is None or self.room_awaits_kv(message.room)
+        except Exception as exc:
+            return self._drop(message.room, f"cannot look its room up: {type(exc).__name__}: {exc}")
+        if not awaited:
+            return self._drop(message.room, "no request here waits for this room's KV "
+                                            "(unknown, finished, failed or aborted)")
         for i, entry in enumerate(message.entries):
             if self.regions.containing(entry.dst, entry.length) is None:
                 return self._drop(
