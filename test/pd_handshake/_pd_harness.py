@@ -200,7 +200,8 @@ def make_kv_args(pool: str, *, page_size: int = PAGE_SIZE, kv_dtype: str = KV_DT
 
 
 def server_args_context(*, tp: int, cp: int = 1, dp: int = 1, dspark: bool,
-                        mode: str, bootstrap_port: int = 0, draft_tokens: int = 6):
+                        mode: str, bootstrap_port: int = 0, draft_tokens: int = 6,
+                        pp: int = 1):
     fields = dict(
         tp_size=tp, attn_cp_size=cp, attn_dp_size=dp, dp_size=1,
         host="127.0.0.1", port=30000, disaggregation_mode=mode,
@@ -209,6 +210,8 @@ def server_args_context(*, tp: int, cp: int = 1, dp: int = 1, dspark: bool,
     )
     if bootstrap_port:
         fields["disaggregation_bootstrap_port"] = bootstrap_port
+    if pp != 1:
+        fields["pp_size"] = pp
     return get_context().override_server_args(**fields)
 
 
@@ -269,15 +272,16 @@ def prefill_server(shape: PrefillShape, *, dspark: bool, pool: str, server: Boot
 
 # ---------------------------------------------------------------- decode side
 def decode_managers(shape: DecodeShape, *, dspark: bool, pool: str,
-                    kv_args_changes: dict | None = None, draft_tokens: int = 6) -> list:
+                    kv_args_changes: dict | None = None, draft_tokens: int = 6,
+                    pp: int = 1) -> list:
     """One attention-DP group of a decode server: engine ranks 0..attn_tp-1.
 
     decode.py sets ``engine_rank = tp_rank % attn_tp_size``, so every DP group of a
-    decode server maps exactly like this one.
+    decode server maps exactly like this one. ``pp`` is ``--pp-size`` (PP rank 0).
     """
     managers = []
     with server_args_context(tp=shape.tp, dp=shape.dp, dspark=dspark, mode="decode",
-                             draft_tokens=draft_tokens):
+                             draft_tokens=draft_tokens, pp=pp):
         for tp in range(shape.attn_tp):
             with get_parallel().override(attn_tp_rank=tp, attn_cp_rank=0, attn_dp_rank=0,
                                          attn_dcp_rank=0, pp_group=None):
@@ -288,6 +292,26 @@ def decode_managers(shape: DecodeShape, *, dspark: bool, pool: str,
             _record_mapping_calls(manager)
             managers.append(manager)
     return managers
+
+
+def publish_prefill(server: BootstrapServer, *, attn_tp_size: int = 1, attn_cp_size: int = 1,
+                    pp_size: int = 1, **published) -> None:
+    """Register a prefill's ranks with ``server`` by hand, as a remote one would over PUT.
+
+    For values no real prefill of this process can produce (``--pp-size`` 4, a size
+    of 0, a malformed layout); one row per rank, at least one.
+    """
+    for tp, cp, pp in itertools.product(range(max(attn_tp_size, 1)), range(max(attn_cp_size, 1)),
+                                        range(max(pp_size, 1))):
+        row = dict(
+            attn_tp_size=attn_tp_size, attn_tp_rank=tp, attn_cp_size=attn_cp_size,
+            attn_cp_rank=cp, attn_dp_size=1, attn_dp_rank=0, pp_size=pp_size, pp_rank=pp,
+            system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1", rank_port=free_port(),
+            page_size=PAGE_SIZE, kv_cache_dtype=KV_DTYPE, **published,
+        )
+        response = server.put(row)
+        if response.status_code != 200:
+            raise RuntimeError(f"bootstrap server refused {row}: {response.text}")
 
 
 def _record_mapping_calls(manager: CommonKVManager) -> None:

@@ -176,6 +176,31 @@ def test_pd_side_refuses_inconsistent_input():
                                      spec_layout={"kv_item_lens": (512, 1024)}))
 
 
+
+def test_published_values_no_server_can_have_are_a_rejection_naming_the_field():
+    """A prefill's published sizes and layout come from the network: a value PDSide
+    cannot hold is the remote's fault, rejected like any other mismatch."""
+    from sglang_dsv41.pd_handshake.pairing import published_side
+
+    decode = side_from_args(tp_size=2, speculative_algorithm="DSPARK",
+                            spec_layout={"num_draft_tokens": 6})
+    sizes = dict(attn_tp_size=2, attn_cp_size=1, dp_size=1, pp_size=1)
+    side = published_side(decode, spec_layout={"num_draft_tokens": 6}, **sizes)
+    assert side.dspark and evaluate_pairing(side, decode).accepted
+    assert not published_side(decode, **sizes).dspark
+
+    with pytest.raises(PairingRejected) as zero:
+        published_side(decode, spec_layout={"num_draft_tokens": 6},
+                       **{**sizes, "attn_cp_size": 0, "pp_size": -1})
+    assert [m.field for m in zero.value.verdict.mismatches] == ["attn_cp_size", "pp_size"]
+    assert "attn_cp_size: prefill=0, decode=1 (the prefill published an invalid value" in str(
+        zero.value)
+    with pytest.raises(PairingRejected) as listed:
+        published_side(decode, spec_layout=[1], **sizes)
+    assert [m.field for m in listed.value.verdict.mismatches] == ["dsv41_spec_layout"]
+    assert "dsv41_spec_layout: prefill=[1], decode={'num_draft_tokens': 6}" in str(listed.value)
+
+
 # ------------------------------------------------------------------ the runtime
 VARIANTS = [  # (dspark, pool, SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER on both servers)
     (True, "mla", False), (True, "hybrid_mla", False), (True, "other", False),

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 from array import array
+from dataclasses import dataclass
 
 import pytest
 
@@ -26,6 +27,7 @@ from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang_dsv41 import metrics
+from sglang_dsv41.pd_handshake.pairing import PairingRejected
 from sglang_dsv41.plugin.testing import patches_installed
 
 REFUSAL_LINE = "[sglang-dsv41] pd-handshake: refused to pair with the prefill at"
@@ -73,14 +75,15 @@ def decode_request(manager, addr: str) -> DecodeRequest:
     return DecodeRequest(req=req, kv_receiver=CommonKVReceiver(manager, addr, room))
 
 
-def assert_failed_with_refusal(decode_req: DecodeRequest, addr: str) -> None:
+def assert_failed_with_refusal(decode_req: DecodeRequest, addr: str,
+                               refusal: str = STOCK_PAGE_SIZE_ERROR) -> None:
     """The receiver reports Failed, and the reason the client gets names the refusal."""
     receiver = decode_req.kv_receiver
     assert receiver.poll() == KVPoll.Failed
     with pytest.raises(KVTransferError) as failure:
         receiver.failure_exception()
     reason = failure.value.failure_reason
-    assert f"{REFUSAL_LINE} {addr}: {STOCK_PAGE_SIZE_ERROR}" in reason, reason
+    assert f"{REFUSAL_LINE} {addr}: {refusal}" in reason, reason
     assert "the decode keeps serving" in reason
 
 
@@ -171,3 +174,94 @@ def test_a_dspark_rule_refusal_is_counted_once():
             assert "dspark: prefill=True, decode=False" in reason, reason
         finally:
             H.close_managers(managers)
+
+
+# ------------------------------------------------ refusals that are not a RuntimeError
+@dataclass(frozen=True)
+class Unpairable:
+    """A prefill the handshake cannot pair with, failing with something other than
+    a RuntimeError. ``published`` is what it registers (``H.publish_prefill``);
+    "DECODE_LAYOUT" stands for the decode's own DSpark layout."""
+
+    published: dict
+    dspark: bool          # the decode's --speculative-algorithm DSPARK
+    decode_pp: int        # the decode's --pp-size
+    escapes: type         # what leaves _ensure_prefill_info without PDH-REFUSAL
+    refusal: str          # what the failed requests' reason says after the prefix
+
+
+UNPAIRABLE = {
+    # sglang's rank mapping asserts decode PP is 1 or the prefill's.
+    "pp-4-to-pp-2": Unpairable(
+        {"pp_size": 4}, dspark=False, decode_pp=2, escapes=AssertionError,
+        refusal="AssertionError: ('Decode pp size (2) should be equal to prefill pp size (4)"),
+    # sglang's rank mapping divides by the published attention TP.
+    "attn-tp-0": Unpairable(
+        {"attn_tp_size": 0}, dspark=False, decode_pp=1, escapes=ZeroDivisionError,
+        refusal="ZeroDivisionError: integer division or modulo by zero"),
+    # The rule's side of the prefill cannot hold these: PDH-PAIRING names the field.
+    "attn-cp-0": Unpairable(
+        {"attn_cp_size": 0, "dsv41_spec_layout": "DECODE_LAYOUT"}, dspark=True, decode_pp=1,
+        escapes=PairingRejected,
+        refusal="DeepSeek-V4.1 DSpark PD pairing rejected: attn_cp_size: prefill=0, decode=1 "
+        "(the prefill published an invalid value: must be a positive int)"),
+    "layout-is-a-list": Unpairable(
+        {"dsv41_spec_layout": [1]}, dspark=True, decode_pp=1, escapes=PairingRejected,
+        refusal="DeepSeek-V4.1 DSpark PD pairing rejected: dsv41_spec_layout: prefill=[1]"),
+}
+
+
+@contextlib.contextmanager
+def unpairable_and_paired(case: Unpairable):
+    """The unpairable prefill, one the same decode pairs with, and that decode (TP 1)."""
+    managers = H.decode_managers(H.DecodeShape(1), dspark=case.dspark, pool="mla",
+                                 pp=case.decode_pp)
+    manager = managers[0]
+    layout = manager.dsv41_spec_layout
+    published = {k: layout if v == "DECODE_LAYOUT" else v for k, v in case.published.items()}
+    try:
+        with H.BootstrapServer() as bad, H.BootstrapServer() as paired:
+            H.publish_prefill(bad, **published)
+            if layout is None:
+                H.publish_prefill(paired, pp_size=case.decode_pp)
+            else:
+                H.publish_prefill(paired, pp_size=case.decode_pp, dsv41_spec_layout=layout)
+            yield bad.addr, paired.addr, manager
+    finally:
+        H.close_managers(managers)
+
+
+@pytest.mark.parametrize("name", UNPAIRABLE)
+def test_without_the_refusal_patch_the_error_leaves_the_scheduler_step(name):
+    """What takes the decode down without PDH-REFUSAL: sglang's assert or division
+    (stock code), or PDH-PAIRING's rejection naming the published field."""
+    case = UNPAIRABLE[name]
+    with unpairable_and_paired(case) as (bad, paired, manager), patches_installed("PDH-PAIRING"):
+        reqs = {paired: [decode_request(manager, paired)], bad: [decode_request(manager, bad)]}
+        with pytest.raises(case.escapes) as escaped:
+            prealloc_queue(manager)._ensure_prefill_info(reqs)
+        assert paired in manager.prefill_info_table and bad not in manager.prefill_info_table
+        assert reqs[bad][0].kv_receiver.poll() == KVPoll.Bootstrapping
+        if case.escapes is PairingRejected:
+            assert case.refusal.split(": ", 1)[1] in str(escaped.value)
+
+
+@pytest.mark.parametrize("name", UNPAIRABLE)
+def test_any_error_fails_only_that_prefills_requests(name, caplog):
+    case = UNPAIRABLE[name]
+    with unpairable_and_paired(case) as (bad, paired, manager), \
+            patches_installed("PDH-PAIRING", "PDH-REFUSAL"):
+        queue = prealloc_queue(manager)
+        kept = decode_request(manager, paired)
+        failed = [decode_request(manager, bad), decode_request(manager, bad)]
+        before = refused_count()
+        with caplog.at_level(logging.ERROR, logger="sglang_dsv41.pd_handshake.hooks"):
+            ready, remaining = queue._ensure_prefill_info({bad: failed, paired: [kept]})
+        assert ready == {paired: [kept]} and remaining == []
+        assert kept.kv_receiver.poll() == KVPoll.Bootstrapping
+        for decode_req in failed:
+            assert_failed_with_refusal(decode_req, bad, case.refusal)
+        lines = [r.getMessage() for r in caplog.records if REFUSAL_LINE in r.getMessage()]
+        assert len(lines) == 1 and "2 request(s) failed" in lines[0], lines
+        assert refused_count() - before == 1
+        assert bad not in manager.prefill_info_table and paired in manager.prefill_info_table

@@ -11,7 +11,13 @@ import threading
 from contextlib import contextmanager
 
 from sglang_dsv41 import metrics
-from sglang_dsv41.pd_handshake.pairing import PairingRejected, PDSide, Rule, check_pairing
+from sglang_dsv41.pd_handshake.pairing import (
+    PairingRejected,
+    PDSide,
+    Rule,
+    check_pairing,
+    published_side,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +55,17 @@ def decode_side(manager) -> PDSide:
     )
 
 
-def prefill_side(info, published_layout) -> PDSide:
-    """A prefill as its bootstrap server published it (pool kind is not published)."""
-    return PDSide(
+def prefill_side(info, published_layout, decode: PDSide) -> PDSide:
+    """A prefill as its bootstrap server published it (pool kind is not published).
+
+    Raises ``PairingRejected`` for a published value no server can have.
+    """
+    return published_side(
+        decode,
         attn_tp_size=info.attn_tp_size,
         attn_cp_size=info.attn_cp_size,
         dp_size=info.dp_size,
         pp_size=info.pp_size,
-        dspark=published_layout is not None,
         spec_layout=published_layout,
         page_size=info.page_size,
         kv_cache_dtype=info.kv_cache_dtype,
@@ -113,7 +122,7 @@ class _Handshake:
         local = decode_side(self.manager)
         if self.published_layout is not None or local.dspark:
             try:
-                verdict = check_pairing(prefill_side(info, self.published_layout), local)
+                verdict = check_pairing(prefill_side(info, self.published_layout, local), local)
             except PairingRejected:
                 metrics.count_pairing_refused()
                 raise
@@ -186,18 +195,20 @@ def around_try_ensure_parallel_info(original, self, *args, **kwargs):
 def around_ensure_prefill_info(original, self, addr_to_reqs):
     """AROUND DecodePreallocQueue._ensure_prefill_info(self, addr_to_reqs) (decode side).
 
-    A prefill the decode must not pair with (the pairing rule's refusal, or one of
-    sglang's own page size / KV dtype / layout / TP checks) raises out of the
-    scheduler loop, and the decode server goes down with it. Each prefill address
-    is resolved on its own (upstream's loop handles them independently); a refused
-    one fails only the requests bound to it, naming the refusal, and the decode
-    keeps serving every other prefill.
+    A prefill the decode must not pair with (the pairing rule's refusal, one of
+    sglang's own page size / KV dtype / layout / TP checks, its rank-mapping
+    asserts, or a division by a size the prefill published as 0) raises out of
+    the scheduler loop, and the decode server goes down with it. Each prefill
+    address is resolved on its own (upstream's loop handles them independently);
+    any exception for one is a refusal of that prefill: it fails only the
+    requests bound to it, naming the error, and the decode keeps serving every
+    other prefill.
     """
     ready, remaining = {}, []
     for bootstrap_addr, reqs in addr_to_reqs.items():
         try:
             addr_ready, addr_remaining = original(self, {bootstrap_addr: reqs})
-        except RuntimeError as exc:
+        except Exception as exc:  # not only RuntimeError: asserts and bad published sizes too
             _fail_refused(self.kv_manager, bootstrap_addr, reqs, exc)
             continue
         ready.update(addr_ready)
@@ -205,14 +216,19 @@ def around_ensure_prefill_info(original, self, addr_to_reqs):
     return ready, remaining
 
 
-def _fail_refused(kv_manager, bootstrap_addr: str, reqs, exc: RuntimeError) -> None:
+def _fail_refused(kv_manager, bootstrap_addr: str, reqs, exc: Exception) -> None:
     if not isinstance(exc, PairingRejected):  # the rule counted its own refusal
         metrics.count_pairing_refused()
+    # RuntimeError is how sglang and the rule word a refusal; anything else needs its type.
+    unexpected = not isinstance(exc, RuntimeError)
+    reason = str(exc)
+    if unexpected:
+        reason = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
     message = (
         f"[sglang-dsv41] pd-handshake: refused to pair with the prefill at {bootstrap_addr}: "
-        f"{exc} ({len(reqs)} request(s) failed; the decode keeps serving)"
+        f"{reason} ({len(reqs)} request(s) failed; the decode keeps serving)"
     )
-    logger.error(message)
+    logger.error(message, exc_info=exc if unexpected else None)
     for decode_req in reqs:
         if decode_req.kv_receiver is None:
             continue

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MLA_POOLS = frozenset({"mla", "hybrid_mla"})
+SIZE_FIELDS = ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size")
+
+
+def is_size(value: Any) -> bool:
+    """A parallel size a server can have: an int of at least 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class Rule(str, enum.Enum):
@@ -96,9 +102,9 @@ class PDSide:
     all_cp_ranks_transfer: Optional[bool] = None
 
     def __post_init__(self):
-        for name in ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size"):
+        for name in SIZE_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_size(value):
                 raise ValueError(f"PDSide.{name} must be a positive int, got {value!r}")
         if self.spec_layout is not None and not isinstance(self.spec_layout, SpecLayout):
             object.__setattr__(self, "spec_layout", SpecLayout.of(self.spec_layout))
@@ -340,6 +346,40 @@ def check_pairing(prefill: PDSide, decode: PDSide) -> PairingVerdict:
     if not verdict.accepted:
         raise PairingRejected(verdict)
     return verdict
+
+
+def published_side(decode: PDSide, *, spec_layout: Any = None, **published: Any) -> PDSide:
+    """The ``PDSide`` of a prefill from the values its bootstrap server published.
+
+    ``published`` holds the other ``PDSide`` fields; DSpark is on when ``spec_layout``
+    (the published ``dsv41_spec_layout``) is not None. A value no server can have
+    (a size below 1, a layout that is neither a JSON object nor hashable) is the
+    remote's fault: ``PairingRejected`` naming the field and both values, not a
+    construction error of this module.
+    """
+    bad = [
+        Mismatch(name, published[name], getattr(decode, name),
+                 "the prefill published an invalid value: must be a positive int")
+        for name in SIZE_FIELDS if name in published and not is_size(published[name])
+    ]
+    if spec_layout is not None:
+        try:
+            spec_layout = SpecLayout.of(spec_layout)
+        except TypeError as exc:
+            bad.append(Mismatch("dsv41_spec_layout", spec_layout, _plain_layout(decode),
+                                f"the prefill published an unusable DSpark layout: {exc}"))
+    if bad:
+        dspark = spec_layout is not None or decode.dspark
+        raise PairingRejected(PairingVerdict(False, None, tuple(bad), dspark=dspark))
+    return PDSide(dspark=spec_layout is not None, spec_layout=spec_layout, **published)
+
+
+def _plain_layout(side: PDSide) -> Any:
+    layout = side.spec_layout
+    if layout is None:
+        return None
+    as_dict = layout.as_dict()
+    return layout.opaque if as_dict is None else {k: _thaw(v) for k, v in as_dict.items()}
 
 
 def _dedupe(mismatches: list[Mismatch]) -> tuple[Mismatch, ...]:

@@ -41,8 +41,9 @@ PATCHES: tuple[Patch, ...] = (
         kind=HookKind.AROUND,
         hook="sglang_dsv41.pd_handshake.hooks:around_ensure_prefill_info",
         roles=roles(Role.SCHEDULER),
-        reason="A refused pairing (PDH-PAIRING's rule, or sglang's own page size, KV dtype, "
-        "layout or TP checks in try_ensure_parallel_info) raises out of the decode scheduler's "
+        reason="A refused pairing (PDH-PAIRING's rule, sglang's own page size, KV dtype, "
+        "layout or TP checks in try_ensure_parallel_info, its rank-mapping asserts, or a size "
+        "the prefill published as 0) raises out of the decode scheduler's "
         "loop and takes the whole decode server down at the first request from that prefill. "
         "AROUND that resolves each prefill address on its own (upstream's loop treats them "
         "independently) and, for a refused one, aborts the requests bound to it with the "
