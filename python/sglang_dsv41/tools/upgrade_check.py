@@ -51,7 +51,12 @@ class BadInput(Exception):
 
 MAX_SOURCE_BYTES = 16 << 20  # sglang 0.5.23's largest source file is under 300 KiB
 MAX_WHEEL_MEMBERS = 200_000  # its wheel has about 10,500
+# A directory entry is 46 fixed bytes, then its name, extra field and comment;
+# sglang 0.5.23's longest member name is 157 bytes, the average 64.
+DIRECTORY_ENTRY_BYTES = 46
+MAX_ENTRY_NAME_BYTES = 256  # name, extra field and comment of one entry, on average
 _END_OF_DIRECTORY = struct.Struct("<4s4H2LH")
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
 _ZIP64_END = struct.Struct("<4sQ2H2L4Q")
 
 
@@ -113,21 +118,56 @@ class CandidateWheel(_CandidateReading, fp.WheelTree):
         return source_text(raw, where)
 
 
-def _wheel_members(path: Path) -> int:
-    """How many members a zip's directory claims, read from its end record
-    (zipfile would build an object for each of them first)."""
+def _wheel_directory(path: Path) -> tuple[int, int]:
+    """How many members a zip's directory claims and how many bytes it spans,
+    from the end records zipfile itself reads (it walks the directory by its
+    byte size, building an object per entry, whatever the count says)."""
     with path.open("rb") as handle:
         size = handle.seek(0, io.SEEK_END)
-        handle.seek(max(0, size - (1 << 16) - _END_OF_DIRECTORY.size))
+        start = max(0, size - (1 << 16) - _END_OF_DIRECTORY.size)
+        handle.seek(start)
         tail = handle.read()
+    # zipfile's choice: the last 22 bytes when they are a comment-less end record,
+    # else the last signature within a maximal comment's reach.
+    last = len(tail) - _END_OF_DIRECTORY.size
+    if last >= 0 and tail.startswith(b"PK\x05\x06", last) and tail.endswith(b"\0\0"):
+        at = last
+    else:
         at = tail.rfind(b"PK\x05\x06")
-        if at < 0 or len(tail) - at < _END_OF_DIRECTORY.size:
-            raise BadInput(f"{path}: not a wheel (no zip directory at its end)")
-        members = _END_OF_DIRECTORY.unpack_from(tail, at)[4]
-        zip64 = tail.rfind(b"PK\x06\x06", 0, at)
-        if members == 0xFFFF and zip64 >= 0 and len(tail) - zip64 >= _ZIP64_END.size:
-            members = _ZIP64_END.unpack_from(tail, zip64)[6]
-    return members
+    if at < 0 or len(tail) - at < _END_OF_DIRECTORY.size:
+        raise BadInput(f"{path}: not a wheel (no zip directory at its end)")
+    end = _END_OF_DIRECTORY.unpack_from(tail, at)
+    members, directory_bytes = end[4], end[5]
+    # zipfile takes the zip64 record whenever its locator sits right before the end
+    # record and the record right before that, whether or not the counts overflowed.
+    locator_at = at - _ZIP64_LOCATOR.size
+    zip64_at = locator_at - _ZIP64_END.size
+    if start + zip64_at < 0:
+        return members, directory_bytes
+    with path.open("rb") as handle:
+        handle.seek(start + zip64_at)
+        records = handle.read(_ZIP64_END.size + _ZIP64_LOCATOR.size)
+    if records[_ZIP64_END.size:].startswith(b"PK\x06\x07") and records.startswith(b"PK\x06\x06"):
+        zip64 = _ZIP64_END.unpack_from(records)
+        members, directory_bytes = zip64[7], zip64[8]
+    return members, directory_bytes
+
+
+def _refuse_oversized_directory(path: Path) -> None:
+    """BadInput for a directory bigger than the member cap allows, or not the size its count implies."""
+    members, directory_bytes = _wheel_directory(path)
+    entry_max = DIRECTORY_ENTRY_BYTES + MAX_ENTRY_NAME_BYTES
+    if directory_bytes > MAX_WHEEL_MEMBERS * entry_max:
+        raise BadInput(f"{path}: its directory spans {directory_bytes} bytes, more than the "
+                       f"{MAX_WHEEL_MEMBERS} members a wheel of sglang may have could fill")
+    if members > MAX_WHEEL_MEMBERS:
+        raise BadInput(f"{path}: its directory lists {members} members, more than the "
+                       f"{MAX_WHEEL_MEMBERS} a wheel of sglang may have")
+    # Bytes beyond what the listed entries can fill are entries the count hides.
+    low, high = members * DIRECTORY_ENTRY_BYTES, members * entry_max
+    if not low <= directory_bytes <= high:
+        raise BadInput(f"{path}: its directory lists {members} members but spans "
+                       f"{directory_bytes} bytes, where that many take {low} to {high}")
 
 
 def _folder_tree(path: Path) -> fp.FolderTree:
@@ -143,10 +183,7 @@ def _wheel_tree(path: Path) -> fp.WheelTree:
     if not zipfile.is_zipfile(path):
         raise BadInput(f"{path}: not a wheel (not a zip file)")
     try:
-        members = _wheel_members(path)
-        if members > MAX_WHEEL_MEMBERS:
-            raise BadInput(f"{path}: its directory lists {members} members, more than the "
-                           f"{MAX_WHEEL_MEMBERS} a wheel of sglang may have")
+        _refuse_oversized_directory(path)
         tree = CandidateWheel(path)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
         raise BadInput(f"{path}: cannot read the wheel: {exc}") from None

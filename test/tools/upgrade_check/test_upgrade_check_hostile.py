@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from _upgrade_trees import CLI, copy_installed, zip_as_wheel
+from sglang_dsv41.tools import cli
+from sglang_dsv41.tools import upgrade_check as uc
 
 pytestmark = pytest.mark.timeout(300)
 MEMORY_LIMIT = 1 << 30
@@ -173,6 +175,67 @@ def test_a_directory_of_millions_of_members_is_refused_before_it_is_loaded(tmp_p
     end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
     wheel.write_bytes(zip64_end + locator + end)
     one_line(run(str(wheel)), f"{wheel}: its directory lists 5000000 members, more than the 200000")
+
+
+END_RECORD = struct.Struct("<4s4H2LH")
+
+
+def listing_fewer_members(wheel: Path, members: int, listed: int) -> tuple[Path, int]:
+    """A plain zip of ``members`` empty members whose end record lists ``listed``;
+    returns it and the byte size of its directory (zipfile walks all of it)."""
+    with zipfile.ZipFile(wheel, "w") as z:
+        for i in range(members):
+            z.writestr(f"sglang/m{i:05}.py", "")
+    data = bytearray(wheel.read_bytes())
+    at = len(data) - END_RECORD.size
+    sig, disk, disk_cd, _, _, size, offset, comment = END_RECORD.unpack_from(data, at)
+    END_RECORD.pack_into(data, at, sig, disk, disk_cd, listed, listed, size, offset, comment)
+    wheel.write_bytes(data)
+    return wheel, size
+
+
+def test_a_directory_hiding_members_from_its_count_is_refused(tmp_path):
+    """zipfile walks a directory by its byte size, not its count: 1001 entries
+    listed as 1 (or 5000 listed in the bytes of 1001) are refused unread."""
+    hidden, size = listing_fewer_members(tmp_path / "hidden.whl", 1001, 1)
+    assert len(zipfile.ZipFile(hidden).infolist()) == 1001
+    one_line(run(str(hidden)), f"{hidden}: its directory lists 1 members but spans {size} bytes, "
+                               "where that many take 46 to 302")
+    inflated, size = listing_fewer_members(tmp_path / "inflated.whl", 1001, 5000)
+    one_line(run(str(inflated)), f"{inflated}: its directory lists 5000 members but spans {size} bytes")
+
+
+def test_a_zip64_record_zipfile_reads_is_the_one_checked(tmp_path):
+    """zipfile takes the zip64 record's size whenever one sits before the end record,
+    even under a plain end record whose count and size look harmless."""
+    plain, size = listing_fewer_members(tmp_path / "plain.whl", 1001, 1001)
+    data = plain.read_bytes()
+    at = len(data) - END_RECORD.size
+    offset = END_RECORD.unpack_from(data, at)[6]
+    zip64_end = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 1, 1, size, offset)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, at, 1)
+    end = END_RECORD.pack(b"PK\x05\x06", 0, 0, 1, 1, 100, offset, 0)
+    wheel = tmp_path / "zip64.whl"
+    wheel.write_bytes(data[:at] + zip64_end + locator + end)
+    assert len(zipfile.ZipFile(wheel).infolist()) == 1001
+    one_line(run(str(wheel)), f"{wheel}: its directory lists 1 members but spans {size} bytes")
+
+
+def test_a_directory_past_what_the_member_cap_could_fill_is_never_loaded(tmp_path, monkeypatch,
+                                                                          capsys):
+    """With the cap at 10 members, a directory of 1001 entries listed as 1 is refused
+    by its size alone, before zipfile builds anything."""
+    wheel, size = listing_fewer_members(tmp_path / "big.whl", 1001, 1)
+    monkeypatch.setattr(uc, "MAX_WHEEL_MEMBERS", 10)
+
+    def never(*args, **kwargs):
+        raise AssertionError("zipfile.ZipFile was built for a refused wheel")
+
+    monkeypatch.setattr(zipfile, "ZipFile", never)
+    assert cli.main(["upgrade-check", str(wheel)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"upgrade-check: {wheel}: its directory spans {size} bytes, more "
+                                 "than the 10 members a wheel of sglang may have could fill\n")
 
 
 def test_member_names_that_escape_the_archive_are_never_followed(tmp_path, pristine):
