@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _bounded_plan import one_line, run_plan_bounded
 from conftest import REPO_ROOT
 from sglang_dsv41.tools.plan.compose import ComposeError
 from sglang_dsv41.tools.plan.k8s import is_manifest, load_manifests
@@ -61,6 +62,105 @@ def test_the_shipped_overlays_are_what_plan_reads():
 def test_the_common_flags_are_the_compose_topologies_own():
     assert (K8S / "base" / "sglang-common.yaml").read_text() == \
         (REPO_ROOT / "deploy" / "b300-ds41" / "base" / "sglang-common.yaml").read_text()
+
+def _config_mounted(name: str, data: str = "{a.yaml: 'x: 1'}") -> str:
+    """A ConfigMap and a Deployment that mounts it as files."""
+    return textwrap.dedent(f"""\
+        apiVersion: v1
+        kind: ConfigMap
+        metadata: {{name: '{name}'}}
+        data: {data}
+        ---
+        apiVersion: apps/v1
+        kind: Deployment
+        metadata: {{name: d}}
+        spec:
+          template:
+            spec:
+              containers:
+                - name: s
+                  command: [sglang, serve, --model-path, /m]
+                  volumeMounts: [{{name: v, mountPath: /etc/x}}]
+              volumes: [{{name: v, configMap: {{name: '{name}'}}}}]
+        """)
+
+
+def test_a_config_map_with_a_dotted_key_is_mounted(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(_config_mounted("sglang.common", data="{.hidden: a, 1: b, sglang-common.yaml: c}"))
+    pod = load_manifests(path).services[0]
+    assert pod.host_path("/etc/x/.hidden").read_text() == "a"
+    assert pod.host_path("/etc/x/1").read_text() == "b"
+    assert pod.host_path("/etc/x/sglang-common.yaml").read_text() == "c"
+
+
+def test_a_config_map_name_never_writes_outside_plans_temp_dir(tmp_path):
+    outside = tmp_path / "outside"  # an absolute name: joined to the temp dir, it would replace it
+    (tmp_path / "m.yaml").write_text(_config_mounted(str(outside)))
+    done = run_plan_bounded(["m.yaml"], tmp_path)
+    line = one_line(done)
+    assert done.returncode == 2 and line.startswith(f"plan: cannot read m.yaml: ConfigMap '{outside}': "
+                                                    "metadata.name is not a Kubernetes object name"), line
+    assert not outside.exists()
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Ten-fold nested aliases: a few hundred bytes that load as 10**levels strings."""
+    lines = ['  l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"  l{n}: &l{n} [" + ", ".join([f"*l{n - 1}"] * 10) + "]" for n in range(1, levels + 1)]
+    return "\n".join(lines)
+
+
+def _env_from(data: str = "", env: str = "[]") -> str:
+    """A ConfigMap and a Deployment that takes its environment from it."""
+    return (f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: c}}\ndata:\n{data or '  a: b'}\n---\n"
+            + textwrap.dedent(f"""\
+                apiVersion: apps/v1
+                kind: Deployment
+                metadata: {{name: d}}
+                spec:
+                  template:
+                    spec:
+                      containers:
+                        - name: s
+                          command: [sglang, serve, --model-path, /m, --served-model-name, "$(A39)"]
+                          envFrom: [{{configMapRef: {{name: c}}}}]
+                          env: {env}
+                """))
+
+
+DOUBLING_ENV = "[" + ", ".join(['{name: A0, value: "xxxxxxxxxx"}']
+                               + [f'{{name: A{n}, value: "$(A{n - 1})$(A{n - 1})"}}' for n in range(1, 40)]) + "]"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text, reason", [
+    # ~850 bytes that load as a billion strings in ConfigMap data envFrom reads
+    (_env_from(data=_alias_bomb()), r"more than \d+ YAML nodes once aliases are expanded \(an alias bomb\?\)"),
+    # each env entry doubles the one before it: forty of them are ten terabytes
+    (_env_from(env=DOUBLING_ENV), r"pod d-0: env A\d+: \$\(VAR\) references expand past \d+ characters"),
+], ids=["alias bomb", "doubling env"])
+def test_a_manifest_that_expands_to_gigabytes_is_one_line_in_bounded_memory(tmp_path, text, reason):
+    (tmp_path / "m.yaml").write_text(text)
+    done = run_plan_bounded(["m.yaml"], tmp_path)
+    line = one_line(done)
+    assert done.returncode == 2 and re.fullmatch("plan: cannot read m.yaml: " + reason, line), line
+
+
+@pytest.mark.timeout(120)
+def test_kubectl_kustomize_output_is_capped(tmp_path):
+    """A kustomization that renders without end (a generator gone wrong): refused, not read into memory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "kubectl"
+    fake.write_text("#!/bin/sh\nexec yes 'apiVersion: v1'\n")
+    fake.chmod(0o755)
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "kustomization.yaml").write_text("resources: []\n")
+    done = run_plan_bounded(["k"], tmp_path, env={"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"})
+    line = one_line(done)
+    assert done.returncode == 2 and re.search(r": kubectl kustomize rendered more than \d+ KiB for it", line), line
+
 
 # The prefill role's server container, and the path plan names its pod spec by.
 SERVER_SPEC = "        containers:\n          - name: s\n"
@@ -114,6 +214,18 @@ def test_a_config_map_mounted_as_files_is_readable(tmp_path):
     (_rbg(ROLES.replace("dependencies: [prefill]", "dependencies: prefill")),
      "spec.roles[1].dependencies must be a list, not a string ('prefill')"),
     ("apiVersion: v1\nkind: [\n", "not valid YAML"),
+    # names and keys the API server refuses: plan writes ConfigMaps out as files by them
+    (_config_mounted("../../x"), "ConfigMap '../../x': metadata.name is not a Kubernetes object name"),
+    (_config_mounted("Upper"), "ConfigMap 'Upper': metadata.name is not a Kubernetes object name"),
+    (_config_mounted("c" * 254), "metadata.name is not a Kubernetes object name"),
+    (_rbg(ROLES).replace("metadata: {name: g}", "metadata: {name: g/h}"),
+     "RoleBasedGroup 'g/h': metadata.name is not a Kubernetes object name"),
+    (_config_mounted("c", data="{'': x}"), "ConfigMap c: data key '' is not a ConfigMap key"),
+    (_config_mounted("c", data="{..data: x}"), "ConfigMap c: data key '..data' is not a ConfigMap key"),
+    (_config_mounted("c", data="{.: x}"), "ConfigMap c: data key '.' is not a ConfigMap key"),
+    (_config_mounted("c", data="{a/b: x}"), "ConfigMap c: data key 'a/b' is not a ConfigMap key"),
+    (_config_mounted("c", data="{a: [x, y]}"), "ConfigMap c: data.a must be a string, not a list"),
+    (_config_mounted("c", data="{a: 8}"), "ConfigMap c: data.a must be a string, not a number (8)"),
 ])
 def test_what_the_reader_cannot_read_is_one_line(tmp_path, text, reason):
     path = tmp_path / "m.yaml"

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from _bounded_plan import run_plan_bounded
 from _plan_input_cases import CASES, Case
+from sglang_dsv41.tools.plan.compose import MAX_TOTAL_CHARS
 
 TIMEOUT_S = 45
 _SGLANG_IMPORT = re.compile(r"\|\s*sglang(\.\S+)?\s*$")
@@ -80,3 +82,28 @@ def test_stdin_from_a_terminal_is_refused_instead_of_waiting(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout.strip() == ("plan: cannot read --from-compose-config -: stdin is a terminal; "
                                    "pipe `docker compose config` into it")
+
+
+def _compose_with_script(script: str, environment: str = "{}") -> str:
+    # $$ is compose's escape: the shell gets $A
+    return ("services:\n  s:\n    image: img\n    network_mode: host\n"
+            f"    environment: {environment}\n    command: [sh, -c, '{script}']\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compose", [
+    # forty doublings of a shell variable in a 500-byte file: ten terabytes
+    _compose_with_script("A=xxxxxxxxxx; " + "A=$$A$$A; " * 40 + "sglang serve --model-path /m"),
+    # one long value, many times over
+    _compose_with_script("sglang serve --model-path /m --served-model-name " + "$$X" * 20_000,
+                         "{X: '" + "x" * 60_000 + "'}"),
+], ids=["doubling variable", "repeated long value"])
+def test_a_script_that_expands_to_gigabytes_is_one_problem_in_bounded_memory(tmp_path, compose):
+    (tmp_path / "c.yml").write_text(compose)
+    done = run_plan_bounded(["--reader", "builtin", "c.yml"], tmp_path)
+    assert done.returncode == 1, f"rc {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    assert "Traceback" not in done.stdout + done.stderr
+    problems = [ln.strip() for ln in done.stdout.splitlines() if ln.strip().startswith("ERROR")]
+    assert problems == ["ERROR c.yml/s: its command is a shell script plan cannot follow (its variables "
+                        f"expand past {MAX_TOTAL_CHARS} characters); write the sglang command as the service's "
+                        "command (a list) so plan can check it"], done.stdout

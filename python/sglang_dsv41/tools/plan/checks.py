@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from sglang_dsv41.tools.plan.compose import LOCAL_HOST, Project, Service
-from sglang_dsv41.tools.plan.commands import ShellRefused, unwrap
+from sglang_dsv41.tools.plan.commands import ExpansionBudget, ShellRefused, unwrap
 from sglang_dsv41.tools.plan.cross_host import check_cluster
 from sglang_dsv41.launch_guards.rules import CrashFeatures, known_crash
 from sglang_dsv41.mooncake_nvlink.routing import nvlink_intra_reason
@@ -697,9 +697,10 @@ def classify_services(services: list[Service]) -> Classified:
     other service is a problem unless labelled as unrelated, so nothing is
     skipped silently. Shell-wrapped commands are followed or refused."""
     out = Classified()
+    budget = ExpansionBudget()  # one for all services: each keeps what its script expanded to
     for service in services:
         try:
-            unwrapped = unwrap(service.argv, service.environment, _runs_checked_program)
+            unwrapped = unwrap(service.argv, service.environment, _runs_checked_program, budget)
         except ShellRefused as exc:
             out.services.append(service)
             if service.ignored:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from sglang_dsv41.tools.plan.compose import MAX_TOTAL_CHARS
+
 SHELLS = {"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"}
 # Commands a script may run before the real program: they cannot change what
 # the program resolves (arguments, environment, installed code).
@@ -26,6 +28,18 @@ _VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 class ShellRefused(ValueError):
     """A shell script plan cannot follow to the command it runs."""
+
+
+class ExpansionBudget:
+    """The characters variable expansions may produce, shared by the scripts of one plan.
+
+    ``A=$A$A`` doubles a variable in a few bytes of script; forty of them ask for
+    a terabyte. A script is charged once it is read to its end, so one that runs
+    past the budget does not use up what the next service's script may expand."""
+
+    def __init__(self, limit: int = MAX_TOTAL_CHARS):
+        self.limit = limit
+        self.used = 0
 
 
 @dataclass
@@ -46,8 +60,14 @@ class Unwrapped:
 _UNKNOWN = "\x00unknown\x00"  # a word whose value depends on something plan cannot know
 
 
-def _expand(script: str, i: int, env: dict[str, str | None]) -> tuple[str, int]:
-    """A ``$`` expansion starting at ``script[i]``; returns (value, next index)."""
+def _expand(script: str, i: int, env: dict[str, str | None], spend) -> tuple[str, int]:
+    """A ``$`` expansion starting at ``script[i]``; returns (value, next index) and ``spend``s its length."""
+    value, end = _expansion_value(script, i, env)
+    spend(len(value))
+    return value, end
+
+
+def _expansion_value(script: str, i: int, env: dict[str, str | None]) -> tuple[str, int]:
     nxt = script[i + 1:i + 2]
     if nxt == "{":
         end = script.find("}", i + 2)
@@ -75,10 +95,19 @@ def _expand(script: str, i: int, env: dict[str, str | None]) -> tuple[str, int]:
     return "$", i + 1
 
 
-def split_script(script: str, env: dict[str, str]) -> list[SimpleCommand]:
+def split_script(script: str, env: dict[str, str], budget: ExpansionBudget | None = None) -> list[SimpleCommand]:
     """The simple commands of a POSIX shell script, variables expanded from ``env``
     and the script's own assignments (in order); raises ShellRefused for any
-    construct beyond lists, pipes and redirections."""
+    construct beyond lists, pipes and redirections, or for expansions past the budget."""
+    budget = budget or ExpansionBudget()
+    expanded = 0
+
+    def spend(chars: int) -> None:
+        nonlocal expanded
+        expanded += chars
+        if budget.used + expanded > budget.limit:
+            raise ShellRefused(f"its variables expand past {budget.limit} characters")
+
     env = dict(env)
     commands: list[SimpleCommand] = []
     words: list[str] = []
@@ -144,7 +173,7 @@ def split_script(script: str, env: dict[str, str]) -> list[SimpleCommand]:
                     word.append(script[i + 1])
                     i += 2
                 elif d == "$":
-                    value, i = _expand(script, i, env)
+                    value, i = _expand(script, i, env, spend)
                     word.append(value)
                 elif d == "`":
                     raise ShellRefused("command substitution `...`")
@@ -154,7 +183,7 @@ def split_script(script: str, env: dict[str, str]) -> list[SimpleCommand]:
         elif c == "$":
             if not in_word and (i + 1 >= n or script[i + 1] in "{" or _VAR.match(script, i + 1)):
                 split_candidates.add(len(words))
-            value, i = _expand(script, i, env)
+            value, i = _expand(script, i, env, spend)
             word.append(value)
             in_word = True
         elif c == "`":
@@ -189,6 +218,7 @@ def split_script(script: str, env: dict[str, str]) -> list[SimpleCommand]:
             in_word = True
             i += 1
     end_command("")
+    budget.used += expanded
     return commands
 
 
@@ -318,7 +348,8 @@ def shell_script(argv: list[str]) -> tuple[str, str] | None:
     return shell, rest[i]
 
 
-def unwrap(argv: list[str], environment: dict[str, str], is_program) -> Unwrapped:
+def unwrap(argv: list[str], environment: dict[str, str], is_program,
+           budget: ExpansionBudget | None = None) -> Unwrapped:
     """The command ``is_program`` recognises, out of whatever wraps it.
 
     ``is_program(words)`` says whether one command's words run a program plan
@@ -326,14 +357,15 @@ def unwrap(argv: list[str], environment: dict[str, str], is_program) -> Unwrappe
     assignments in front stripped). With ``sh -c SCRIPT`` the script is split
     into simple commands; exactly one may run such a program, it must not be
     conditional on a failure (``||``), and the commands before it may only be
-    harmless ones or variable settings."""
+    harmless ones or variable settings. ``budget`` caps what the script's
+    variables expand to (share one across a plan; None: a fresh one)."""
     found = shell_script(argv)
     if found is None:
         stripped, env = strip_prefixes(argv, environment)
         via = "" if stripped == argv else "env/exec prefix"
         return Unwrapped(stripped, env, via)
     shell, script = found
-    commands = split_script(script, environment)
+    commands = split_script(script, environment, budget)
     env = dict(environment)
     chosen: SimpleCommand | None = None
     unsafe: str | None = None  # the first command before the program that is not known to be harmless

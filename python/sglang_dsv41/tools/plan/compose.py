@@ -273,6 +273,20 @@ def parse_yaml(text: str, shown: str) -> Any:
         raise ComposeError(f"{shown}: nested too deeply") from None
 
 
+def parse_yaml_documents(text: str, shown: str) -> list[Any]:
+    """Every document of a YAML stream (``---`` between them), under the bounds of ``parse_yaml``.
+
+    The node bound holds for the whole stream, not each document: many small
+    alias bombs in one file would otherwise add up to the same expansion."""
+    _check_yaml_size(text, shown)
+    try:
+        return list(yaml.load_all(text, Loader=_YAML_LOADER))
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"{shown}: not valid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ComposeError(f"{shown}: nested too deeply") from None
+
+
 # --------------------------------------------------------------------------- interpolation
 
 

@@ -13,25 +13,28 @@ Design: docs/design/plan.md.
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sglang_dsv41.tools.plan.compose import (
     HOST_LABEL,
+    MAX_FILE_BYTES,
+    MAX_TOTAL_CHARS,
     BindMount,
     ComposeError,
     GpuReservation,
     Project,
     Service,
+    decode_text,
     kind_of,
+    parse_yaml_documents,
     read_text,
 )
+from sglang_dsv41.tools.plan.reader import bounded_run
 
 CLUSTER_HOST = "cluster"
 KUSTOMIZATION = "kustomization.yaml"
@@ -47,6 +50,27 @@ WORKLOADS = {(RBG_API, "RoleBasedGroup"), ("apps/v1", "Deployment"), (LWS_API, "
 # Where a manifest's pod came from, for the checks only a manifest has (restart coupling, probes).
 MANIFEST_LABEL = "sglang-dsv41.k8s"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+KUSTOMIZE_TIMEOUT_S = 60
+# What the API server admits (a DNS-1123 subdomain; a ConfigMap key): plan writes
+# ConfigMaps out as files by these names, so nothing else may reach the file system.
+MAX_NAME_CHARS = 253
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_CONFIG_MAP_KEY = re.compile(r"[-._a-zA-Z0-9]+\Z")
+OBJECT_NAME_RULE = ("lowercase letters, digits, '-' and '.', beginning and ending with a letter or digit, "
+                    f"at most {MAX_NAME_CHARS} characters")
+CONFIG_MAP_KEY_RULE = ("letters, digits, '-', '_' and '.', not '.' nor starting with '..', "
+                       f"at most {MAX_NAME_CHARS} characters")
+
+
+def is_object_name(name: str) -> bool:
+    """A name the Kubernetes API accepts for metadata.name (a DNS-1123 subdomain)."""
+    return len(name) <= MAX_NAME_CHARS and bool(_OBJECT_NAME.match(name))
+
+
+def is_config_map_key(key: str) -> bool:
+    """A key the Kubernetes API accepts in a ConfigMap's data (it becomes a file name)."""
+    return (len(key) <= MAX_NAME_CHARS and bool(_CONFIG_MAP_KEY.match(key))
+            and key != "." and not key.startswith(".."))
 
 
 def is_manifest(path: str | Path) -> bool:
@@ -71,23 +95,23 @@ def render(path: Path) -> str:
     if kubectl is None:
         raise ComposeError(f"{path}: a kustomization, and kubectl is not on PATH: render it with "
                            f"`kubectl kustomize {path} > manifest.yaml` and plan that file")
-    try:
-        done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        raise ComposeError(f"{path}: kubectl kustomize did not finish in 60 s") from None
-    if done.returncode != 0:
-        lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-        raise ComposeError(f"{path}: kubectl kustomize failed: {lines[-1] if lines else done.returncode}")
-    return done.stdout
+    try:  # capped as a manifest file is: a generator gone wrong must not fill the memory
+        code, out, err = bounded_run([kubectl, "kustomize", str(path)], os.environ, path, what="kubectl kustomize",
+                                     timeout_s=KUSTOMIZE_TIMEOUT_S, max_output=MAX_FILE_BYTES)
+    except ComposeError as exc:
+        raise ComposeError(f"{path}: {exc}") from None
+    if code != 0:
+        lines = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+        raise ComposeError(f"{path}: kubectl kustomize failed: {lines[-1] if lines else code}")
+    return decode_text(out, f"{path}: the output of kubectl kustomize")
 
 
 def load_manifests(path: str | Path) -> Project:
+    """Every pod of the workloads in a manifest file or kustomization, as plan's services."""
     source = Path(path).resolve()
     shown = source.name
-    try:
-        documents = [d for d in yaml.safe_load_all(render(source)) if d is not None]
-    except yaml.YAMLError as exc:
-        raise ComposeError(f"{shown}: not valid YAML ({' '.join(str(exc).split())[:200]})") from None
+    # The compose reader's bounds (size, nesting, alias expansion) over the whole stream of documents.
+    documents = [d for d in parse_yaml_documents(render(source), shown) if d is not None]
     if not documents:
         raise ComposeError(f"{shown}: no Kubernetes object in it")
     objects = []
@@ -103,12 +127,15 @@ def load_manifests(path: str | Path) -> Project:
             raise ComposeError(f"{shown}: {key[1]} {name} (apiVersion {key[0]}) is not a kind plan reads "
                                f"({', '.join(f'{a} {k}' for a, k in sorted(WORKLOADS))}; also "
                                f"{', '.join(known)})")
+        if not is_object_name(name):
+            raise ComposeError(f"{shown}: {key[1]} {name[:80]!r}: metadata.name is not a Kubernetes object name "
+                               f"({OBJECT_NAME_RULE})")
         objects.append(doc)
     reader = _Reader(source, {})
     for obj in objects:
         if obj["kind"] == "ConfigMap":
             reader.context = f"ConfigMap {obj['metadata']['name']}"
-            reader.config_maps[obj["metadata"]["name"]] = reader.typed(obj, "data", "a mapping", "", {})
+            reader.config_maps[obj["metadata"]["name"]] = reader.config_map_data(obj)
     services: list[Service] = []
     for obj in objects:
         if (obj["apiVersion"], obj["kind"]) in WORKLOADS:
@@ -152,6 +179,34 @@ class _Reader:
         self._files: Path | None = None
         self.kind = ""
         self.context = ""  # the object being read, e.g. "RoleBasedGroup g", for type errors
+        self.expanded_chars = 0  # what $(VAR) references have produced in all, capped
+
+    def config_map_data(self, obj: dict) -> dict[str, str]:
+        """A ConfigMap's data as the API admits it: keys that are file names, values that are strings."""
+        data = self.typed(obj, "data", "a mapping", "", {})
+        checked = {}
+        for key in data:
+            # YAML reads `1: x` as a number; kubectl sends it as the string "1"
+            name = str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+            if not isinstance(name, str) or not is_config_map_key(name):
+                raise ComposeError(f"{self.shown}: {self.context}: data key {key!r:.80} is not a ConfigMap key "
+                                   f"({CONFIG_MAP_KEY_RULE})")
+            checked[name] = self.typed(data, key, "a string", "data", "")
+        return checked
+
+    def substitute(self, text: str, environment: dict[str, str], where: str) -> str:
+        """``$(VAR)`` references replaced as the kubelet does, refused before they build a value past
+        the budget (each entry may double the one before it: 40 entries ask for a terabyte)."""
+        if "$(" not in text:  # a literal costs nothing beyond the file that holds it
+            return text
+        size = len(text)
+        for match in _VAR.finditer(text):
+            size += len(environment.get(match.group(1), match.group(0))) - len(match.group(0))
+            if self.expanded_chars + size > MAX_TOTAL_CHARS:
+                raise ComposeError(f"{self.shown}: {where}: $(VAR) references expand past {MAX_TOTAL_CHARS} "
+                                   "characters")
+        self.expanded_chars += size
+        return _VAR.sub(lambda m: environment.get(m.group(1), m.group(0)), text)
 
     def typed(self, node: dict, key: str, expected: str, path: str, default: Any = None) -> Any:
         """node[key] when it has the expected type (default when absent or null); otherwise one line
@@ -288,13 +343,13 @@ class _Reader:
             if not isinstance(item.get("name"), str):
                 raise ComposeError(f"{where}: an env entry without a name")
             if "value" in item:
-                environment[item["name"]] = _VAR.sub(lambda m: environment.get(m.group(1), m.group(0)),
-                                                     str(item["value"]))
+                environment[item["name"]] = self.substitute(str(item["value"]), environment,
+                                                            f"pod {name}: env {item['name'][:80]}")
             else:  # valueFrom: known only in the cluster
                 environment[item["name"]] = f"$({item['name']})"
         argv = [str(t) for t in self.typed(container, "command", "a list", at, [])
                 + self.typed(container, "args", "a list", at, [])]
-        argv = [_VAR.sub(lambda m: environment.get(m.group(1), m.group(0)), t) for t in argv]
+        argv = [self.substitute(t, environment, f"pod {name}: its command") for t in argv]
         metadata = self.typed(template, "metadata", "a mapping", path, {})
         labels = {str(k): str(v) for k, v in self.typed(metadata, "labels", "a mapping", f"{path}.metadata",
                                                          {}).items()}
@@ -367,14 +422,18 @@ class _Reader:
         if self._files is None:
             self._files = Path(tempfile.mkdtemp(prefix="dsv41-plan-k8s-"))
             atexit.register(shutil.rmtree, self._files, True)
-        folder = self._files / name
+        # Names and keys were checked when read; resolved again so that no path leaves the temp dir.
+        root = self._files.resolve()
+        folder = (root / name).resolve()
+        if folder.parent != root:
+            raise ComposeError(f"{self.shown}: ConfigMap {name[:80]!r}: not a name plan can write as a folder")
         if not folder.exists():
             folder.mkdir()
             for key, value in self.config_maps[name].items():
-                key = str(key)
-                if "/" in key or key.startswith("."):
-                    raise ComposeError(f"{self.shown}: ConfigMap {name} has a key that is no file name: {key!r}")
-                (folder / key).write_text(str(value))
+                file = (folder / key).resolve()
+                if file.parent != folder:
+                    raise ComposeError(f"{self.shown}: ConfigMap {name}: data key {key[:80]!r} is no file name")
+                file.write_text(value)
         return folder
 
     def _gpus(self, pod: str, limits: dict, path: str, environment: dict[str, str], where: str) -> GpuReservation:

@@ -102,8 +102,11 @@ def find_compose() -> Compose | None:
     return None
 
 
-def _bounded_run(argv: list[str], env: Mapping[str, str], cwd: Path) -> tuple[int, bytes, bytes]:
-    """Run a command with a time limit and capped output; a runaway is killed with its children."""
+def bounded_run(argv: list[str], env: Mapping[str, str], cwd: Path, *, what: str = "docker compose",
+                timeout_s: float = COMPOSE_TIMEOUT_S, max_output: int = MAX_RENDERED_BYTES) -> tuple[int, bytes, bytes]:
+    """Run a command with a time limit and capped output; a runaway is killed with its children.
+
+    ``what`` names the program in the one-line ComposeError for a timeout or an overflow."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(env), cwd=cwd, start_new_session=True)
     sinks = {"out": bytearray(), "err": bytearray()}
@@ -117,24 +120,24 @@ def _bounded_run(argv: list[str], env: Mapping[str, str], cwd: Path) -> tuple[in
                 break
             sink.extend(chunk)
 
-    threads = [threading.Thread(target=drain, args=(proc.stdout, sinks["out"], MAX_RENDERED_BYTES), daemon=True),
+    threads = [threading.Thread(target=drain, args=(proc.stdout, sinks["out"], max_output), daemon=True),
                threading.Thread(target=drain, args=(proc.stderr, sinks["err"], MAX_MESSAGE_BYTES), daemon=True)]
     for thread in threads:
         thread.start()
     try:
-        proc.wait(timeout=COMPOSE_TIMEOUT_S)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill(proc)
         proc.wait()
-        raise ComposeError(f"docker compose took longer than {COMPOSE_TIMEOUT_S} s to render it") from None
+        raise ComposeError(f"{what} took longer than {timeout_s} s to render it") from None
     finally:
         for thread in threads:
             thread.join(timeout=5)
         proc.stdout.close()
         proc.stderr.close()
     if overflow:
-        raise ComposeError(f"docker compose rendered more than {MAX_RENDERED_BYTES // 1024} KiB for it; "
-                           "not a compose file plan reads")
+        raise ComposeError(f"{what} rendered more than {max_output // 1024} KiB for it; "
+                           "not an input plan reads")
     return proc.returncode, bytes(sinks["out"]), bytes(sinks["err"])
 
 
@@ -153,7 +156,7 @@ def render(compose: Compose, path: Path, env_file: Path | None, profiles: list[s
         argv += ["--env-file", str(env_file)]
     for profile in profiles or ():
         argv += ["--profile", profile]
-    code, out, err = _bounded_run(argv + ["config", "--format", "json"], environ, path.parent)
+    code, out, err = bounded_run(argv + ["config", "--format", "json"], environ, path.parent)
     if code != 0:
         message = _ANSI.sub("", err.decode("utf-8", "replace")).strip() or f"exit status {code}"
         raise ComposeRefused(f"docker compose refuses it: {message}")
