@@ -195,10 +195,16 @@ UNPAIRABLE = {
     "pp-4-to-pp-2": Unpairable(
         {"pp_size": 4}, dspark=False, decode_pp=2, escapes=AssertionError,
         refusal="AssertionError: ('Decode pp size (2) should be equal to prefill pp size (4)"),
-    # sglang's rank mapping divides by the published attention TP.
+    # sglang's rank mapping would divide by the published attention TP, or map no CP
+    # rank at all: PDH-PAIRING checks the published sizes of every pair first.
     "attn-tp-0": Unpairable(
-        {"attn_tp_size": 0}, dspark=False, decode_pp=1, escapes=ZeroDivisionError,
-        refusal="ZeroDivisionError: integer division or modulo by zero"),
+        {"attn_tp_size": 0}, dspark=False, decode_pp=1, escapes=PairingRejected,
+        refusal="PD pairing rejected: attn_tp_size: prefill=0, decode=1 "
+        "(the prefill published an invalid value: must be a positive int)"),
+    "attn-cp-0-without-dspark": Unpairable(
+        {"attn_cp_size": 0}, dspark=False, decode_pp=1, escapes=PairingRejected,
+        refusal="PD pairing rejected: attn_cp_size: prefill=0, decode=1 "
+        "(the prefill published an invalid value: must be a positive int)"),
     # The rule's side of the prefill cannot hold these: PDH-PAIRING names the field.
     "attn-cp-0": Unpairable(
         {"attn_cp_size": 0, "dsv41_spec_layout": "DECODE_LAYOUT"}, dspark=True, decode_pp=1,

@@ -120,19 +120,19 @@ class _Handshake:
             )
         setattr(info, _LAYOUT_FIELD, self.published_layout)
         local = decode_side(self.manager)
-        if self.published_layout is not None or local.dspark:
-            try:
-                verdict = check_pairing(prefill_side(info, self.published_layout, local), local)
-            except PairingRejected:
-                metrics.count_pairing_refused()
-                raise
-            if verdict.rule is not Rule.UPSTREAM_EQUAL:
-                logger.info(
-                    "[sglang-dsv41] DSpark PD pairing with %s accepted by rule %s: prefill "
-                    "attention TP %d CP %d, decode attention TP %d",
-                    self.bootstrap_addr, verdict.rule.value, info.attn_tp_size,
-                    info.attn_cp_size, local.attn_tp_size,
-                )
+        try:  # the published sizes are checked for every pair: sglang maps ranks with them
+            prefill = prefill_side(info, self.published_layout, local)
+            verdict = check_pairing(prefill, local) if prefill.dspark or local.dspark else None
+        except PairingRejected:
+            metrics.count_pairing_refused()
+            raise
+        if verdict is not None and verdict.rule is not Rule.UPSTREAM_EQUAL:
+            logger.info(
+                "[sglang-dsv41] DSpark PD pairing with %s accepted by rule %s: prefill "
+                "attention TP %d CP %d, decode attention TP %d",
+                self.bootstrap_addr, verdict.rule.value, info.attn_tp_size,
+                info.attn_cp_size, local.attn_tp_size,
+            )
         self.checked = True
 
 

@@ -25,8 +25,9 @@ PATCHES: tuple[Patch, ...] = (
         roles=roles(Role.SCHEDULER),
         reason="Decode side of the PD handshake: apply pd_handshake.pairing (DSpark on both, "
         "identical layouts, MLA/hybrid-MLA pool: accept equal shapes and cases a/b/c, "
-        "reject the rest naming fields and both values) before any peer info is cached "
-        "or rank mapping resolved. AROUND with a scoped, per-thread PrefillServerInfo "
+        "reject the rest naming fields and both values; every pair: refuse a published "
+        "parallel size below 1, which sglang would divide by or map no rank for) before any "
+        "peer info is cached or rank mapping resolved. AROUND with a scoped, per-thread PrefillServerInfo "
         "rebinding and a manager view instead of a REPLACE of the whole method; the "
         "fingerprint covers the body those substitutions rely on.",
         source="the original fork's disaggregation/common/conn.py (try_ensure_parallel_info TP/CP "
