@@ -434,7 +434,30 @@ class Side:
             state = self.staging_state()
             if state is not None and state.exported is not None:
                 self.result["exported"] = [[r.ptr, r.length] for r in state.exported.regions]
+        if PLUGIN != "none":
+            self.result["waiting_room_after_bad_frame"] = self.bad_frame_for_a_waiting_room()
         self.result["decode_thread_alive"] = self.mgr._worker_threads[0].is_alive()
+
+    def bad_frame_for_a_waiting_room(self) -> dict:
+        """A host-block frame the receiver drops (outside every region), for a room a request
+        here still waits for (never given pages, so the prefill sends it nothing)."""
+        room = CFG["room"] + 7
+        receiver = MooncakeKVReceiver(self.mgr, BOOTSTRAP, room)
+        receiver.init(prefill_dp_rank=0)
+        waiting = receiver.poll()
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(f"tcp://{self.mgr.local_ip}:{self.mgr.rank_port}")
+        sock.send_multipart(encode_host_blocks(room, [(self.aux[0][1] - 4096, b"x" * 16)]))
+        sock.close()
+        final = wait_for(lambda: {KVPoll.Failed: "failed"}.get(receiver.poll()), 30,
+                         "the waiting room was not failed")
+        try:
+            receiver.failure_exception()
+            reason = None
+        except Exception as exc:
+            reason = str(getattr(exc, "failure_reason", exc))
+        return {"before": str(waiting), "status": final, "reason": reason}
 
 
 def side_main(role, queue, release):

@@ -89,6 +89,16 @@ def test_bad_host_block_frames_are_dropped_and_the_decode_thread_keeps_serving(r
 
 
 @pytest.mark.timeout(480)
+def test_a_dropped_frame_of_a_waiting_room_fails_that_request(runs):
+    """Otherwise it would wait for an aux row that never comes, or decode from stale aux."""
+    waiting = runs["plugin"]["decode"]["waiting_room_after_bad_frame"]
+    assert "Failed" not in waiting["before"]
+    assert waiting["status"] == "failed", waiting
+    assert "a host-block message of this request was dropped" in waiting["reason"], waiting
+    assert "not inside any of the" in waiting["reason"], waiting
+
+
+@pytest.mark.timeout(480)
 def test_stock_transfer_also_completes_on_cpu(runs):
     """Pins the stock baseline: over tcp everything moves through the engine."""
     dec = runs["stock"]["decode"]
@@ -109,10 +119,11 @@ def test_side_channel_counters_match_what_moved(runs):
     bytes_per_room = AUX_ITEM_BYTES + STATE_ENTRY_1_BYTES
     assert sent["side_channel_blocks"] == {"sent": 2 * blocks_per_room}
     assert sent["side_channel_bytes"] == {"sent": 2 * bytes_per_room}
-    # Room B's two messages arrive after its status (held back on purpose): dropped.
+    # Room B's two messages arrive after its status (held back on purpose): dropped; so is
+    # the bad frame sent for a waiting room at the end.
     assert got["side_channel_blocks"] == {"written": blocks_per_room}
     assert got["side_channel_bytes"] == {"written": bytes_per_room}
-    assert got["side_channel_drops"] == {"receive": runs["plugin"]["decode"]["bad_frames_dropped"] + 2}
+    assert got["side_channel_drops"] == {"receive": runs["plugin"]["decode"]["bad_frames_dropped"] + 3}
     assert sent["side_channel_drops"] == {}
 
 

@@ -177,6 +177,17 @@ def _room_awaits_kv(manager, room: int) -> bool:
     return status is not None and status not in (KVPoll.Success, KVPoll.Failed)
 
 
+def _fail_waiting_room(manager, room: Optional[int], reason: str) -> None:
+    """A dropped message of a room still waiting fails its request: it would otherwise wait
+    for an aux row that never comes, or decode from stale aux or state."""
+    if room is None or not _room_awaits_kv(manager, room):
+        return
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    manager.record_failure(room, f"[sglang-dsv41] a host-block message of this request was dropped: {reason}")
+    manager.update_status(room, KVPoll.Failed)
+
+
 def _receiver_for(manager) -> HostBlockReceiver:
     receiver = manager.__dict__.get(_RECEIVER_ATTR)
     if receiver is None:
@@ -200,6 +211,11 @@ def around_handle_aux_data(original, self, msg):
         return None
     if verdict.written:
         metrics.count_side_channel("written", verdict.blocks, verdict.nbytes)
-    else:
-        metrics.count_side_channel_drop("receive")
+        return None
+    metrics.count_side_channel_drop("receive")
+    try:
+        _fail_waiting_room(self, verdict.room, verdict.reason)
+    except Exception:  # the decode thread must keep serving
+        logger.exception("[sglang-dsv41] could not fail room %s after dropping its host-block message",
+                         verdict.room)
     return None

@@ -54,8 +54,10 @@ PATCHES: tuple[Patch, ...] = (
         hook="sglang_dsv41.mooncake_nvlink.hooks:around_handle_aux_data",
         roles=roles(Role.SCHEDULER),
         reason="Decode thread: host-block frames travel as AUX_DATA with a tag; write them only "
-        "inside published regions with the exact declared length, drop and log anything else, "
-        "never let a bad frame stop the thread. Avoids replacing the start_decode_thread closure.",
+        "inside published regions with the exact declared length and for a room a request still "
+        "waits for; drop and log anything else, failing a waiting room's request (it would wait "
+        "for aux that never comes, or decode from stale aux or state); never let a bad frame stop "
+        "the thread. Avoids replacing the start_decode_thread closure.",
         source="the original fork's disaggregation/mooncake/conn.py (STATE_DATA_HEADER, _handle_state_data, "
         "_host_transfer_regions)",
         signature="(self, msg: List[bytes])",
