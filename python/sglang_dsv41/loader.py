@@ -114,9 +114,11 @@ def drift_allowed() -> bool:
     return os.environ.get(ALLOW_DRIFT_ENV, "") == "1"
 
 
-def _fail(lines: list[str]) -> "SystemExit":
+def _fail(lines: list[str], drift: bool = False) -> "SystemExit":
+    """``drift``: the problems are upstream drift, the only ones ALLOW_DRIFT can let pass."""
     text = "\n".join(["[sglang-dsv41] refusing to start:"] + [f"  - {l}" for l in lines])
-    text += f"\n  (set {ALLOW_DRIFT_ENV}=1 to run anyway with a warning per patch)"
+    if drift:
+        text += f"\n  (set {ALLOW_DRIFT_ENV}=1 to run anyway with a warning per patch)"
     logger.critical(text)
     return SystemExit(text)
 
@@ -185,7 +187,7 @@ def activate() -> None:
     problems = drift.all_problems(PATCHES) + import_problems(PATCHES)
     if problems:
         if not drift_allowed():
-            raise _fail([str(p) for p in problems])
+            raise _fail([str(p) for p in problems], drift=True)
         for p in problems:
             logger.warning("[sglang-dsv41] DRIFT ALLOWED by %s=1: %s", ALLOW_DRIFT_ENV, p)
     drifted_missing = {

@@ -60,7 +60,9 @@ SERIES: Tuple[Series, ...] = (
            "Agreement collectives (status rounds, flag and report gathers) of owner-broadcast "
            "sessions, summed over ranks."),
     Series("owner_agreement_failures", "counter", None,
-           "Owner-broadcast sessions that ended in an error agreed by the whole group."),
+           "Owner-broadcast sessions that ended in an error agreed by the whole group. The error "
+           "then ends the scheduler, and in sglang 0.5.23 the server, so a running server shows "
+           "0: watch restarts and the logged error."),
     Series("side_channel_bytes", "counter", "direction",
            "Host-block bytes on the Mooncake NVLink side channel: sent (prefill) or "
            "written (decode).", "sent, written"),
@@ -72,8 +74,10 @@ SERIES: Tuple[Series, ...] = (
            "(receive).", "send, receive"),
     Series("kv_staging_batches", "counter", "path",
            "Prefill, peer writes on: peer_pages (a whole KV or state send written from its page "
-           "lists straight into the decode's KV, no block list), failed (a failed peer write, or a "
-           "page outside its buffers: that request's transfer failed), or a device batch sglang "
+           "lists straight into the decode's KV, no block list), failed (a peer write made at once, "
+           "on an earlier chunk, failed or named a page outside its buffers: that request failed; "
+           "a request's held last write is counted peer_pages here and its failure only in "
+           "kv_staging_held_writes), or a device batch sglang "
            "built that went the direct way, labelled with why (block_path: a send the page path "
            "does not cover).",
            "peer_pages, failed, few_blocks, block_path, no_peer_map, peer_map_unusable, outside_peer_map, "

@@ -100,6 +100,17 @@ def _edit_upstream_file(shadow: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
+def test_a_patch_that_cannot_register_stops_loading_without_the_drift_hint():
+    """ALLOW_DRIFT cannot let a registration failure pass: the refusal does not offer it."""
+    code = ("from sglang.srt.managers.schedule_policy import PrefillAdder\n"
+            "PrefillAdder.can_share_extend_batch = lambda self: None  # upstream grew the name\n"
+            "from sglang.srt.plugins import load_plugins\nload_plugins()\nprint('LOADED')")
+    proc = run_python(code)
+    assert proc.returncode != 0 and "LOADED" not in proc.stdout
+    assert "EMB-CAN-SHARE" in proc.stderr and "adding ours would shadow it" in proc.stderr
+    assert "ALLOW_DRIFT" not in proc.stderr
+
+
 def test_edited_upstream_target_stops_loading_and_names_the_patch(tmp_path):
     shadow = _shadow_sglang(tmp_path)
     _edit_upstream_file(
@@ -116,6 +127,7 @@ def test_edited_upstream_target_stops_loading_and_names_the_patch(tmp_path):
     assert "VCP-ARGS" in proc.stderr
     assert "sglang.srt.arg_groups.deepseek_v4_hook.validate_deepseek_v41_features" in proc.stderr
     assert "source drifted" in proc.stderr
+    assert "set SGLANG_DSV41_ALLOW_DRIFT=1 to run anyway" in proc.stderr  # drift can be let pass
     # Only the edited target is reported.
     assert "ACT-SCHED" not in proc.stderr
 

@@ -25,7 +25,7 @@ PATCHES: tuple[Patch, ...] = (
         reason="The known-crash rules of launch_guards/rules.py (the same rules `plan` "
         "reports) applied in the launcher's argument resolution, before any process starts. "
         "Decoder SWA bounded replay that sglang turned on by default for DSpark with DP "
-        "attention or prefill CP is turned off with one log line; the same layout with "
+        "attention (it never does under prefill CP) is turned off with one log line; the same layout with "
         "--enable-decoder-swa-bounded-replay given explicitly, and an explicit prefill CUDA "
         "graph under DeepSeek-V4 prefill CP that would be captured and never replayed (unless "
         "SGLANG_DSV41_CP_BCG=1), stop the launcher with one line naming the flags; so does DSpark "

@@ -88,8 +88,9 @@ PATCHES: tuple[Patch, ...] = (
         roles=roles(Role.SCHEDULER),
         reason="KV peer writes, prefill side: the held sends of a last chunk land when the state "
         "sends return, before upstream checks the room for an abort and counts the chunk as "
-        "drained (the abort acknowledgement waits for that count); a failed write is returned "
-        "as a failed state send, which upstream turns into the request's failure.",
+        "drained (the abort acknowledgement waits for that count); a failed write concludes that "
+        "request failed here and reports the state send as sent, so upstream fails that request "
+        "only, not the decode session.",
         source="none: added here (the original fork sends every block directly)",
         signature="(self, req: TransferInfo, prefill_state_indices: List, executor: concurrent.futures.ThreadPoolExecutor, target_rank_registration_info: Optional[KVArgsRegisterInfo]=None)",
         ast_sha="aeb90c387e6d2288",
