@@ -27,6 +27,7 @@ class Manager:
             state_data_ptrs=[], state_data_lens=[],
         )
         self.transfer_infos = {}
+        self.request_status = {}  # room -> sglang's KVPoll value (3: Transferring)
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +76,9 @@ def test_aux_handler_passes_upstream_frames_and_never_raises_on_ours(caplog):
     hook.around_handle_aux_data(lambda s, msg: seen.append(msg), mgr, upstream)
     assert seen == [upstream]
     ours = encode_host_blocks(3, [(ctypes.addressof(buf) + 2, b"hi")])
+    assert hook.around_handle_aux_data(lambda s, msg: seen.append(msg), mgr, ours) is None
+    assert seen == [upstream] and buf.raw[2:4] == bytes(2)  # room 3 is no request's here
+    mgr.request_status[3] = 3
     assert hook.around_handle_aux_data(lambda s, msg: seen.append(msg), mgr, ours) is None
     assert seen == [upstream] and buf.raw[2:4] == b"hi"
     broken = Manager()
