@@ -63,26 +63,20 @@ def test_the_common_flags_are_the_compose_topologies_own():
     assert (K8S / "base" / "sglang-common.yaml").read_text() == \
         (REPO_ROOT / "deploy" / "b300-ds41" / "base" / "sglang-common.yaml").read_text()
 
+def _deployment(container: str, pod: str = "") -> str:
+    """A one-container Deployment running sglang serve; ``container``/``pod``: extra YAML
+    lines of the container and of the pod spec, each starting with a newline."""
+    return ("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d}\nspec:\n  template:\n"
+            "    spec:\n      containers:\n        - name: s\n"
+            + container.replace("\n", "\n          ") + pod.replace("\n", "\n      ") + "\n")
+
+
 def _config_mounted(name: str, data: str = "{a.yaml: 'x: 1'}") -> str:
     """A ConfigMap and a Deployment that mounts it as files."""
-    return textwrap.dedent(f"""\
-        apiVersion: v1
-        kind: ConfigMap
-        metadata: {{name: '{name}'}}
-        data: {data}
-        ---
-        apiVersion: apps/v1
-        kind: Deployment
-        metadata: {{name: d}}
-        spec:
-          template:
-            spec:
-              containers:
-                - name: s
-                  command: [sglang, serve, --model-path, /m]
-                  volumeMounts: [{{name: v, mountPath: /etc/x}}]
-              volumes: [{{name: v, configMap: {{name: '{name}'}}}}]
-        """)
+    return (f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: '{name}'}}\ndata: {data}\n---\n"
+            + _deployment("\ncommand: [sglang, serve, --model-path, /m]"
+                          "\nvolumeMounts: [{name: v, mountPath: /etc/x}]",
+                          f"\nvolumes: [{{name: v, configMap: {{name: '{name}'}}}}]"))
 
 
 def test_a_config_map_with_a_dotted_key_is_mounted(tmp_path):
@@ -114,19 +108,9 @@ def _alias_bomb(levels: int = 9) -> str:
 def _env_from(data: str = "", env: str = "[]") -> str:
     """A ConfigMap and a Deployment that takes its environment from it."""
     return (f"apiVersion: v1\nkind: ConfigMap\nmetadata: {{name: c}}\ndata:\n{data or '  a: b'}\n---\n"
-            + textwrap.dedent(f"""\
-                apiVersion: apps/v1
-                kind: Deployment
-                metadata: {{name: d}}
-                spec:
-                  template:
-                    spec:
-                      containers:
-                        - name: s
-                          command: [sglang, serve, --model-path, /m, --served-model-name, "$(A39)"]
-                          envFrom: [{{configMapRef: {{name: c}}}}]
-                          env: {env}
-                """))
+            + _deployment('\ncommand: [sglang, serve, --model-path, /m, --served-model-name, "$(A39)"]'
+                          "\nenvFrom: [{configMapRef: {name: c}}]"
+                          f"\nenv: {env}"))
 
 
 DOUBLING_ENV = "[" + ", ".join(['{name: A0, value: "xxxxxxxxxx"}']
