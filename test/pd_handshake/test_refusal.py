@@ -101,23 +101,31 @@ def test_stock_refusal_raises_out_of_the_method_and_loses_the_paired_prefill():
         assert reqs[refused][0].kv_receiver.poll() == KVPoll.Bootstrapping
 
 
+def only_refused_requests_fail(manager, paired: str, refused: str, caplog,
+                               refusal: str = STOCK_PAGE_SIZE_ERROR) -> str:
+    """Two requests to ``refused`` and one to ``paired`` through the prealloc queue: only the
+    two fail, naming ``refusal``, counted once, logged in one line (returned)."""
+    queue = prealloc_queue(manager)
+    kept = decode_request(manager, paired)
+    failed = [decode_request(manager, refused), decode_request(manager, refused)]
+    before = refused_count()
+    with caplog.at_level(logging.ERROR, logger="sglang_dsv41.pd_handshake.hooks"):
+        ready, remaining = queue._ensure_prefill_info({refused: failed, paired: [kept]})
+    assert ready == {paired: [kept]} and remaining == []
+    assert kept.kv_receiver.poll() == KVPoll.Bootstrapping
+    for decode_req in failed:
+        assert_failed_with_refusal(decode_req, refused, refusal)
+    lines = [r.getMessage() for r in caplog.records if REFUSAL_LINE in r.getMessage()]
+    assert len(lines) == 1 and "2 request(s) failed" in lines[0], lines
+    assert refused_count() - before == 1
+    assert refused not in manager.prefill_info_table and paired in manager.prefill_info_table
+    return lines[0]
+
+
 def test_refusal_fails_only_the_requests_of_the_refused_prefill(caplog):
     with two_prefills() as (paired, refused, manager), patches_installed("PDH-REFUSAL"):
-        queue = prealloc_queue(manager)
-        kept = decode_request(manager, paired)
-        failed = [decode_request(manager, refused), decode_request(manager, refused)]
-        before = refused_count()
-        with caplog.at_level(logging.ERROR, logger="sglang_dsv41.pd_handshake.hooks"):
-            ready, remaining = queue._ensure_prefill_info({refused: failed, paired: [kept]})
-        assert ready == {paired: [kept]} and remaining == []
-        assert kept.kv_receiver.poll() == KVPoll.Bootstrapping
-        for decode_req in failed:
-            assert_failed_with_refusal(decode_req, refused)
-        lines = [r.getMessage() for r in caplog.records if REFUSAL_LINE in r.getMessage()]
-        assert len(lines) == 1, lines
-        assert "page_size=16" in lines[0] and "2 request(s) failed" in lines[0], lines[0]
-        assert refused_count() - before == 1
-        assert refused not in manager.prefill_info_table
+        line = only_refused_requests_fail(manager, paired, refused, caplog)
+        assert "page_size=16" in line, line
 
 
 def test_the_scheduler_step_drops_refused_requests_from_its_pending_queue():
@@ -257,17 +265,4 @@ def test_any_error_fails_only_that_prefills_requests(name, caplog):
     case = UNPAIRABLE[name]
     with unpairable_and_paired(case) as (bad, paired, manager), \
             patches_installed("PDH-PAIRING", "PDH-REFUSAL"):
-        queue = prealloc_queue(manager)
-        kept = decode_request(manager, paired)
-        failed = [decode_request(manager, bad), decode_request(manager, bad)]
-        before = refused_count()
-        with caplog.at_level(logging.ERROR, logger="sglang_dsv41.pd_handshake.hooks"):
-            ready, remaining = queue._ensure_prefill_info({bad: failed, paired: [kept]})
-        assert ready == {paired: [kept]} and remaining == []
-        assert kept.kv_receiver.poll() == KVPoll.Bootstrapping
-        for decode_req in failed:
-            assert_failed_with_refusal(decode_req, bad, case.refusal)
-        lines = [r.getMessage() for r in caplog.records if REFUSAL_LINE in r.getMessage()]
-        assert len(lines) == 1 and "2 request(s) failed" in lines[0], lines
-        assert refused_count() - before == 1
-        assert bad not in manager.prefill_info_table and paired in manager.prefill_info_table
+        only_refused_requests_fail(manager, paired, bad, caplog, case.refusal)
